@@ -1,0 +1,89 @@
+"""The ``coalesce`` command: ``serve``, ``export`` and ``settings``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from coalesce.launcher import LaunchError, TritonServer, options_from_env
+
+SAMPLE_TEXT = "Coalesce turns dynamic batches into few forward passes."
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        options = options_from_env(args.model_repository, explicit=True if args.explicit else None,
+                                   load_models=args.load_model or ())
+        server = TritonServer(options, echo=None if args.quiet else sys.stderr)
+    except LaunchError as exc:
+        sys.stderr.write(f"coalesce serve: {exc}\n")
+        return 2
+    sys.stderr.write(f"coalesce serve: starting {server.install.origin} on {options.model_repository} "
+                     f"(model control: {options.model_control})\n")
+    try:
+        server.start()
+    except LaunchError as exc:
+        sys.stderr.write(f"coalesce serve: {exc}\n")
+        return 1
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        server.send_signal(signal.SIGINT)  # Triton's graceful shutdown either way
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    http, grpc = server.http_url, server.grpc_url
+    sys.stdout.write(
+        f"\nTriton is ready.\n"
+        f"  HTTP     http://{http}\n  gRPC     {grpc}\n  metrics  {server.metrics_url}\n\n"
+        "Try:\n"
+        f"  curl -s -X POST http://{http}/v2/models/minilm/infer -H 'Content-Type: application/json' \\\n"
+        f"    -d '{{\"inputs\":[{{\"name\":\"TEXT\",\"datatype\":\"BYTES\",\"shape\":[1,1],"
+        f"\"data\":[\"{SAMPLE_TEXT}\"]}}]}}'\n"
+        f"  coalesce-client --url {grpc} embed \"{SAMPLE_TEXT}\"\n\n"
+        "Ctrl-C stops the server.\n")
+    sys.stdout.flush()
+    code = server.wait()
+    server.stop()
+    sys.stderr.write(f"coalesce serve: tritonserver exited with code {code}\n")
+    # A clean shutdown on our signal is success; anything else is the server's own code.
+    return 0 if code in (0, -signal.SIGINT) else code
+
+
+def _settings(args: argparse.Namespace) -> int:
+    from coalesce.settings import Settings
+
+    for field in Settings.parameter_fields():
+        sys.stdout.write(f"{field.name}\t{field.default}\t{field.metadata['doc']}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``coalesce`` console script."""
+    parser = argparse.ArgumentParser(prog="coalesce", description="Coalesce: dynamic batching that pays off.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start tritonserver on a model repository with the coalesce backend",
+                           description="Ports come from HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002); "
+                                       "MODEL_CONTROL=explicit (or --explicit) enables the repository API.")
+    serve.add_argument("--model-repository", type=Path, default=Path("model_repository"))
+    serve.add_argument("--explicit", action="store_true", help="explicit model control (load/unload over the API)")
+    serve.add_argument("--load-model", action="append", help="model to load at start in explicit mode (repeatable)")
+    serve.add_argument("--quiet", action="store_true", help="do not echo the server log")
+    serve.set_defaults(func=_serve)
+    export = sub.add_parser("export", help="export the packaged MiniLM to ONNX", add_help=False)
+    export.set_defaults(func=None)
+    settings = sub.add_parser("settings", help="list the backend's config.pbtxt parameters")
+    settings.set_defaults(func=_settings)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "export":
+        from coalesce.export import main as export_main
+
+        return export_main(argv[1:])
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""Domain exceptions of the core, each carrying the Triton error code it maps to.
+
+The core raises these; the Triton adapter (``model.py``) maps ``code`` to a
+``pb_utils.TritonError`` code in exactly one place, so the core never imports
+``triton_python_backend_utils``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class CoalesceError(Exception):
+    """Base class of every error the core reports; maps to Triton ``INTERNAL``."""
+
+    code: ClassVar[str] = "INTERNAL"
+
+
+class InvalidInputError(CoalesceError):
+    """A request carried input the model cannot accept (Triton ``INVALID_ARG``)."""
+
+    code: ClassVar[str] = "INVALID_ARG"
+
+
+class UnavailableError(CoalesceError):
+    """The model cannot serve the request right now (Triton ``UNAVAILABLE``)."""
+
+    code: ClassVar[str] = "UNAVAILABLE"
+
+
+class CancelledError(CoalesceError):
+    """The client cancelled the request before it was computed (Triton ``CANCELLED``)."""
+
+    code: ClassVar[str] = "CANCELLED"
+
+
+class ConfigError(CoalesceError):
+    """The model configuration is invalid; raised at load time so the load fails."""
+
+    code: ClassVar[str] = "INVALID_ARG"
+
+
+class RuntimeFailure(CoalesceError):
+    """The inference runtime failed on a sub-batch (Triton ``INTERNAL``)."""
+
+    code: ClassVar[str] = "INTERNAL"

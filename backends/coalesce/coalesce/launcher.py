@@ -1,0 +1,345 @@
+"""Start a real ``tritonserver`` on a model repository with the ``coalesce`` backend.
+
+Finds the server (a container's ``/opt/tritonserver``, else the binary inside the
+``nvidia-pytriton`` wheel), assembles a backend directory (the Python backend, the
+stub matching the running Python, and our backend), sets the library paths, starts
+the server, waits for readiness while checking it is alive, and stops it cleanly.
+Used by ``coalesce serve`` and by the integration tests alike.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Final
+
+CONTAINER_ROOT: Final = Path("/opt/tritonserver")
+#: Folder holding ``model.py`` (the adapter) and the ``coalesce`` package.
+BACKEND_SOURCE: Final = Path(__file__).resolve().parent.parent
+LOG_TAIL_LINES: Final = 40
+#: Triton's glog-style error lines: ``E1202 11:42:31.582634 2676 model_lifecycle.cc:642] ...``.
+_ERROR_LINE: Final = re.compile(r"^E\d{4} |^error: ")
+
+
+class LaunchError(RuntimeError):
+    """The server could not be found, started or made ready; the message carries its last log lines."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonInstall:
+    """Where the pieces of a Triton installation are."""
+
+    server: Path
+    python_backend: Path
+    stub: Path
+    lib_dirs: tuple[Path, ...]
+    cache_dir: Path | None
+    origin: str
+
+
+def _python_tag() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def find_triton() -> TritonInstall:
+    """Locate a ``tritonserver``: ``$TRITONSERVER_ROOT``, then ``/opt/tritonserver``, then the pytriton wheel.
+
+    Raises:
+        LaunchError: If none is found, saying what to install.
+    """
+    roots = []
+    if os.environ.get("TRITONSERVER_ROOT"):
+        roots.append(Path(os.environ["TRITONSERVER_ROOT"]))
+    roots.append(CONTAINER_ROOT)
+    for root in roots:
+        server = root / "bin" / "tritonserver"
+        if server.is_file():
+            backend = root / "backends" / "python"
+            stub = root / "python_backend_stubs" / _python_tag() / "triton_python_backend_stub"
+            if not stub.is_file():
+                stub = backend / "triton_python_backend_stub"
+            caches = root / "caches"
+            return TritonInstall(server=server, python_backend=backend, stub=stub,
+                                 lib_dirs=(root / "lib",), cache_dir=caches if caches.is_dir() else None,
+                                 origin=str(root))
+    try:
+        import pytriton
+    except ImportError:
+        raise LaunchError(
+            "no tritonserver found: not in $TRITONSERVER_ROOT or /opt/tritonserver, and the nvidia-pytriton "
+            "wheel is not installed (pip install 'coalesce[serve]', or run `make setup`)") from None
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    stub = root / "python_backend_stubs" / _python_tag() / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise LaunchError(f"the nvidia-pytriton wheel has no Python backend stub for Python {_python_tag()} "
+                          f"(looked for {stub})")
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    return TritonInstall(server=root / "bin" / "tritonserver", python_backend=root / "backends" / "python",
+                         stub=stub, lib_dirs=(libs,), cache_dir=root / "caches",
+                         origin=f"nvidia-pytriton wheel ({root})")
+
+
+def assemble_backend_dir(install: TritonInstall, dest: Path) -> Path:
+    """Lay out ``dest`` as a ``--backend-directory``: ``python/`` with the stub, and ``coalesce/``.
+
+    Triton puts ``<backend-dir>/coalesce`` on the stub's ``sys.path``, so the
+    ``coalesce`` package is linked in beside ``model.py``.
+    """
+    python_dir = dest / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(install.python_backend / name, python_dir / name)
+    shutil.copy2(install.stub, python_dir / "triton_python_backend_stub")
+    ours = dest / "coalesce"
+    ours.mkdir(exist_ok=True)
+    shutil.copy2(BACKEND_SOURCE / "model.py", ours / "model.py")
+    link = ours / "coalesce"
+    if not link.exists():
+        link.symlink_to(BACKEND_SOURCE / "coalesce", target_is_directory=True)
+    return dest
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """How to start the server."""
+
+    model_repository: Path
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    model_control: str = "none"
+    load_models: tuple[str, ...] = ()
+    log_verbose: int = 0
+    extra_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 180.0
+
+
+def _set_parent_death_signal() -> None:
+    # Linux: the server gets SIGTERM if its launcher dies, so a killed test run leaves no server behind.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class TritonServer:
+    """A running ``tritonserver`` process; a context manager that always stops it."""
+
+    def __init__(self, options: ServerOptions, *, echo: IO[str] | None = None,
+                 install: TritonInstall | None = None) -> None:
+        """Prepare (not start) a server; ``echo`` receives its log lines as they come."""
+        self.options = options
+        self.install = install or find_triton()
+        self._echo = echo
+        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._log_lines: list[str] = []
+        self._lock = threading.Lock()
+        self._workdir = Path(tempfile.mkdtemp(prefix="coalesce-triton-"))
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of the HTTP endpoint."""
+        return f"127.0.0.1:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port`` of the gRPC endpoint."""
+        return f"127.0.0.1:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """URL of the Prometheus metrics."""
+        return f"http://127.0.0.1:{self.options.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        """The ``tritonserver`` command line."""
+        o = self.options
+        args = [
+            str(self.install.server),
+            f"--model-repository={o.model_repository.resolve()}",
+            f"--backend-directory={self._workdir / 'backends'}",
+            f"--http-port={o.http_port}", f"--grpc-port={o.grpc_port}", f"--metrics-port={o.metrics_port}",
+            f"--model-control-mode={o.model_control}",
+            f"--log-verbose={o.log_verbose}",
+            "--exit-timeout-secs=15",
+        ]
+        if self.install.cache_dir is not None:
+            args.append(f"--cache-directory={self.install.cache_dir}")
+        args += [f"--load-model={name}" for name in o.load_models]
+        return args + list(o.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """Environment of the server: our Python first on PATH, its libpython first on the library path."""
+        env = dict(os.environ)
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        # The stub links libpython3.X: this interpreter's own must win over a system copy of another patch release.
+        lib_path = [libdir, *map(str, self.install.lib_dirs)]
+        if env.get("LD_LIBRARY_PATH"):
+            lib_path.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = ":".join(p for p in lib_path if p)
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        # Models load their weights from the repository, never from a hub.
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "true")
+        return env
+
+    def start(self) -> TritonServer:
+        """Start the process and wait until it is ready.
+
+        Raises:
+            LaunchError: If it exits or is not ready in time; the message has its last log lines.
+        """
+        assemble_backend_dir(self.install, self._workdir / "backends")
+        self._process = subprocess.Popen(
+            self.command(), env=self.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, errors="replace", bufsize=1, start_new_session=True,
+            preexec_fn=_set_parent_death_signal)
+        self._reader = threading.Thread(target=self._read_output, name="tritonserver-log", daemon=True)
+        self._reader.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _read_output(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            with self._lock:
+                self._tail.append(line.rstrip("\n"))
+                self._log_lines.append(line)
+            if self._echo is not None:
+                self._echo.write(line)
+                self._echo.flush()
+
+    def _wait_ready(self) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + self.options.ready_timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            code = self._process.poll()
+            if code is not None:
+                if self._reader is not None:
+                    self._reader.join(timeout=5)
+                raise LaunchError(f"tritonserver exited with code {code} before it was ready; "
+                                  f"last log lines:\n{self.log_tail()}")
+            with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                with urllib.request.urlopen(url, timeout=1) as response:
+                    if response.status == 200:
+                        return
+            time.sleep(0.25)
+        raise LaunchError(f"tritonserver was not ready within {self.options.ready_timeout_s:.0f} s; "
+                          f"last log lines:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The server's error lines (Triton's ``E...`` lines), then its last log lines."""
+        with self._lock:
+            errors = [line.rstrip("\n") for line in self._log_lines if _ERROR_LINE.match(line)]
+            tail = list(self._tail)[-lines:]
+        head = ["errors logged:", *errors[-10:], "", "last lines:"] if errors else []
+        return "\n".join(head + tail)
+
+    def log_text(self) -> str:
+        """Everything the server logged so far."""
+        with self._lock:
+            return "".join(self._log_lines)
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit code once it has exited, else None."""
+        return None if self._process is None else self._process.poll()
+
+    def wait(self) -> int:
+        """Block until the server exits; return its exit code."""
+        assert self._process is not None
+        return self._process.wait()
+
+    def send_signal(self, signum: int) -> None:
+        """Forward a signal to the server."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signum)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """Stop with SIGINT (Triton's graceful shutdown), then SIGKILL after ``timeout_s``."""
+        process = self._process
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            if self._reader is not None:
+                self._reader.join(timeout=5)
+        shutil.rmtree(self._workdir, ignore_errors=True)
+        return None if process is None else process.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running_server(options: ServerOptions, echo: IO[str] | None = None) -> Iterator[TritonServer]:
+    """Start a server for the duration of a ``with`` block."""
+    server = TritonServer(options, echo=echo)
+    with server:
+        yield server
+
+
+def options_from_env(model_repository: Path, *, explicit: bool | None = None,
+                     load_models: Sequence[str] = ()) -> ServerOptions:
+    """Options from ``HTTP_PORT``, ``GRPC_PORT``, ``METRICS_PORT`` and ``MODEL_CONTROL``.
+
+    Raises:
+        LaunchError: On a port or mode that is not valid.
+    """
+    def port(name: str, default: int) -> int:
+        raw = os.environ.get(name, str(default))
+        try:
+            value = int(raw)
+        except ValueError:
+            raise LaunchError(f"{name}={raw!r} is not a port number") from None
+        if not 0 < value < 65536:
+            raise LaunchError(f"{name}={raw!r} is outside 1..65535")
+        return value
+
+    mode = os.environ.get("MODEL_CONTROL", "none")
+    if explicit is not None:
+        mode = "explicit" if explicit else "none"
+    if mode not in ("none", "explicit", "poll"):
+        raise LaunchError(f"MODEL_CONTROL={mode!r}: expected none, explicit or poll")
+    loads = tuple(load_models)
+    if mode == "explicit" and not loads:
+        loads = ("*",)  # explicit control still serves the whole repository at start
+    return ServerOptions(model_repository=model_repository, http_port=port("HTTP_PORT", 8000),
+                         grpc_port=port("GRPC_PORT", 8001), metrics_port=port("METRICS_PORT", 8002),
+                         model_control=mode, load_models=loads)

@@ -1,0 +1,132 @@
+"""Prometheus metrics of the backend: families declared once, with units in names.
+
+The core records through small ``Counter``/``Gauge``/``Histogram`` handles made by
+a ``MetricFactory``. The Triton adapter supplies a factory over
+``pb_utils.MetricFamily`` (served on Triton's metrics port); tests and code that
+runs without Triton use ``InMemoryMetricFactory``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Final, Protocol
+
+#: Seconds per stage: 100 us to 10 s, roughly x2.5 apart.
+STAGE_SECONDS_BUCKETS: Final = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                                0.5, 1.0, 2.5, 5.0, 10.0)
+#: Rows per forward pass: powers of two up to 1024.
+BATCH_ROWS_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+#: Padded over real tokens of one forward pass (1.0 is no padding).
+PADDING_RATIO_BUCKETS: Final = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+#: Pipeline stages timed by ``coalesce_stage_seconds``.
+STAGES: Final = ("decode", "tokenize", "plan", "infer", "pool", "scatter")
+
+
+class Counter(Protocol):
+    """A monotonically increasing value."""
+
+    def increment(self, value: float) -> None:
+        """Add ``value`` (>= 0)."""
+        ...
+
+
+class Histogram(Protocol):
+    """A distribution of observed values."""
+
+    def observe(self, value: float) -> None:
+        """Record one observation."""
+        ...
+
+
+class MetricFactory(Protocol):
+    """Creates metric handles; one family per name, one handle per label set."""
+
+    def counter(self, name: str, description: str, labels: Mapping[str, str]) -> Counter:
+        """A counter handle of family ``name`` with the given labels."""
+        ...
+
+    def histogram(self, name: str, description: str, labels: Mapping[str, str],
+                  buckets: Sequence[float]) -> Histogram:
+        """A histogram handle of family ``name`` with the given labels and buckets."""
+        ...
+
+
+class PipelineMetrics:
+    """Every metric the embedding pipeline records, labelled by model and version."""
+
+    def __init__(self, factory: MetricFactory, *, model: str, version: str) -> None:
+        """Create the handles once, at model load."""
+        labels = {"model": model, "version": version}
+        self.requests = factory.counter("coalesce_requests_total", "Requests received by the backend", labels)
+        self.request_failures = factory.counter(
+            "coalesce_request_failures_total", "Requests answered with an error", labels)
+        self.rows = factory.counter("coalesce_rows_total", "Rows (texts) received", labels)
+        self.executions = factory.counter("coalesce_executions_total", "execute() calls from Triton", labels)
+        self.forward_passes = factory.counter(
+            "coalesce_forward_passes_total", "Forward passes run by the runtime", labels)
+        self.real_tokens = factory.counter(
+            "coalesce_real_tokens_total", "Tokens of real text sent through forward passes", labels)
+        self.padded_tokens = factory.counter(
+            "coalesce_padded_tokens_total", "Tokens computed by forward passes, padding included", labels)
+        self.padding_ratio = factory.histogram(
+            "coalesce_padding_ratio", "Padded over real tokens per forward pass", labels, PADDING_RATIO_BUCKETS)
+        self.batch_rows = factory.histogram(
+            "coalesce_forward_batch_rows", "Rows per forward pass", labels, BATCH_ROWS_BUCKETS)
+        self.stage_seconds = {
+            stage: factory.histogram("coalesce_stage_seconds", "Time per pipeline stage per execute()",
+                                     {**labels, "stage": stage}, STAGE_SECONDS_BUCKETS)
+            for stage in STAGES
+        }
+
+
+@dataclasses.dataclass
+class _MemoryCounter:
+    value: float = 0.0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def increment(self, value: float) -> None:
+        with self.lock:
+            self.value += value
+
+
+@dataclasses.dataclass
+class _MemoryHistogram:
+    buckets: tuple[float, ...]
+    observations: list[float] = dataclasses.field(default_factory=list)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def observe(self, value: float) -> None:
+        with self.lock:
+            self.observations.append(value)
+
+
+class InMemoryMetricFactory:
+    """Keeps metric values in memory, for tests and for running the core without Triton."""
+
+    def __init__(self) -> None:
+        """Start with no metrics."""
+        self.counters: dict[tuple[str, tuple[tuple[str, str], ...]], _MemoryCounter] = {}
+        self.histograms: dict[tuple[str, tuple[tuple[str, str], ...]], _MemoryHistogram] = {}
+
+    def counter(self, name: str, description: str, labels: Mapping[str, str]) -> Counter:
+        """A counter kept in memory."""
+        return self.counters.setdefault((name, tuple(sorted(labels.items()))), _MemoryCounter())
+
+    def histogram(self, name: str, description: str, labels: Mapping[str, str],
+                  buckets: Sequence[float]) -> Histogram:
+        """A histogram kept in memory (all observations)."""
+        key = (name, tuple(sorted(labels.items())))
+        return self.histograms.setdefault(key, _MemoryHistogram(tuple(buckets)))
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum of counter ``name`` over label sets that include ``labels``."""
+        return sum(c.value for (n, ls), c in self.counters.items()
+                   if n == name and set(labels.items()) <= set(ls))
+
+    def observations(self, name: str, **labels: str) -> list[float]:
+        """All observations of histogram ``name`` over label sets that include ``labels``."""
+        return [v for (n, ls), h in self.histograms.items()
+                if n == name and set(labels.items()) <= set(ls) for v in h.observations]

@@ -1,0 +1,201 @@
+"""The backend's one typed settings object, parsed once from ``config.pbtxt``.
+
+Every key under ``parameters`` is declared here with its type, default, bounds and
+meaning. Unknown keys and bad values make the model load fail with a message that
+names the model, the key and the value, so a typo never silently falls back to a
+default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from coalesce import contract
+from coalesce.errors import ConfigError
+
+RUNTIME_CHOICES: Final = ("auto", "onnxruntime")
+POOLING_CHOICES: Final = ("mean", "cls")
+_TRUE: Final = frozenset({"true", "1", "yes", "on"})
+_FALSE: Final = frozenset({"false", "0", "no", "off"})
+
+
+def _spec(default: Any, doc: str, *, low: float | None = None, high: float | None = None,
+          choices: tuple[str, ...] | None = None) -> Any:
+    """Declare a setting: its default, help text and bounds, kept in field metadata."""
+    return dataclasses.field(
+        default=default, metadata={"doc": doc, "low": low, "high": high, "choices": choices}
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Validated backend settings of one model (``config.pbtxt`` ``parameters``).
+
+    Attributes are documented by their ``doc`` metadata, which ``coalesce settings``
+    prints and the README reproduces.
+    """
+
+    runtime: str = _spec(
+        "auto", "Inference runtime: `auto` picks the best available, `onnxruntime` forces ONNX Runtime.",
+        choices=RUNTIME_CHOICES)
+    onnx_file: str = _spec("model.onnx", "ONNX graph, relative to the model's version folder.")
+    tokenizer_file: str = _spec("tokenizer.json", "Hugging Face `tokenizers` file, relative to the version folder.")
+    max_sequence_length: int = _spec(
+        256, "Tokens per text after truncation, special tokens included (all-MiniLM-L6-v2: 256).",
+        low=2, high=512)
+    max_batch_rows: int = _spec(64, "Most rows in one forward pass.", low=1, high=65536)
+    max_batch_tokens: int = _spec(
+        8192, "Most padded tokens (rows x padded length) in one forward pass; bounds activation memory.",
+        low=2, high=16_777_216)
+    max_padding_ratio: float = _spec(
+        1.25, "Most padded tokens over real tokens in one forward pass; a longer row starts a new pass.",
+        low=1.0, high=1000.0)
+    intra_op_threads: int = _spec(0, "ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.",
+                                  low=0, high=1024)
+    inter_op_threads: int = _spec(1, "ONNX Runtime inter-op threads.", low=0, high=1024)
+    max_text_bytes: int = _spec(
+        1_048_576, "Largest accepted text in bytes; a larger one is rejected with INVALID_ARG.",
+        low=1, high=1 << 30)
+    pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls`.",
+                         choices=POOLING_CHOICES)
+    normalize: bool = _spec(True, "L2-normalise each embedding.")
+
+    # Derived from the rest of the model config, not from `parameters`.
+    model_name: str = dataclasses.field(default="model", metadata={"derived": True})
+    max_batch_size: int = dataclasses.field(default=0, metadata={"derived": True})
+    embedding_dim: int = dataclasses.field(default=384, metadata={"derived": True})
+
+    @classmethod
+    def parameter_fields(cls) -> list[dataclasses.Field[Any]]:
+        """The fields a user may set under ``parameters``, in declaration order."""
+        return [f for f in dataclasses.fields(cls) if not f.metadata.get("derived")]
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, str], *, model_name: str = "model",
+                        **derived: Any) -> Settings:
+        """Build settings from plain ``key -> string`` parameters.
+
+        Args:
+            parameters: Parameter values as strings, as Triton stores them.
+            model_name: Name used in error messages.
+            **derived: Values taken from the rest of the model config.
+
+        Raises:
+            ConfigError: On an unknown key, a value of the wrong type or out of bounds,
+                or inconsistent settings; the message names model, key and value.
+        """
+        fields = {f.name: f for f in cls.parameter_fields()}
+        values: dict[str, Any] = {}
+        for key, raw in parameters.items():
+            field = fields.get(key)
+            if field is None:
+                raise ConfigError(
+                    f"model '{model_name}': unknown parameter '{key}' (value '{raw}'); "
+                    f"known parameters: {', '.join(sorted(fields))}")
+            values[key] = _convert(model_name, field, raw)
+        settings = cls(model_name=model_name, **values, **derived)
+        settings._check_consistency()
+        return settings
+
+    @classmethod
+    def from_model_config(cls, config: Mapping[str, Any]) -> Settings:
+        """Build settings from a Triton model config (the JSON form of ``config.pbtxt``).
+
+        Checks the declared inputs and outputs against the task's contract too.
+
+        Raises:
+            ConfigError: On any invalid parameter or a config that breaks the contract.
+        """
+        name = str(config.get("name", "model"))
+        raw_params = config.get("parameters") or {}
+        parameters: dict[str, str] = {}
+        for key, value in raw_params.items():
+            # Triton's JSON form wraps each value as {"string_value": "..."}.
+            parameters[key] = str(value.get("string_value", "")) if isinstance(value, Mapping) else str(value)
+        embedding_dim = _check_io(name, config)
+        return cls.from_parameters(
+            parameters, model_name=name, max_batch_size=int(config.get("max_batch_size", 0)),
+            embedding_dim=embedding_dim)
+
+    def _check_consistency(self) -> None:
+        if self.max_batch_tokens < self.max_sequence_length:
+            raise ConfigError(
+                f"model '{self.model_name}': parameter 'max_batch_tokens' (value '{self.max_batch_tokens}') "
+                f"is below 'max_sequence_length' ({self.max_sequence_length}): a single long text "
+                "could never be scheduled")
+
+
+def _convert(model_name: str, field: dataclasses.Field[Any], raw: str) -> Any:
+    def fail(why: str) -> ConfigError:
+        return ConfigError(f"model '{model_name}': parameter '{field.name}' has bad value '{raw}': {why}")
+
+    text = raw.strip()
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    converter: Callable[[str], Any]
+    if kind == "bool":
+        lowered = text.lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise fail("expected true or false")
+    if kind == "int":
+        converter = int
+    elif kind == "float":
+        converter = float
+    else:
+        converter = str
+    try:
+        value = converter(text)
+    except ValueError:
+        raise fail(f"expected {'an integer' if kind == 'int' else 'a number'}") from None
+    meta = field.metadata
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise fail(f"expected one of {', '.join(meta['choices'])}")
+    if kind == "str" and not value:
+        raise fail("must not be empty")
+    if meta["low"] is not None and value < meta["low"]:
+        raise fail(f"must be >= {meta['low']:g}")
+    if meta["high"] is not None and value > meta["high"]:
+        raise fail(f"must be <= {meta['high']:g}")
+    return value
+
+
+def _check_io(model_name: str, config: Mapping[str, Any]) -> int:
+    """Check inputs/outputs against the embedding contract; return the embedding width."""
+    inputs = {i.get("name"): i for i in config.get("input", [])}
+    outputs = {o.get("name"): o for o in config.get("output", [])}
+    text = inputs.get(contract.INPUT_TEXT)
+    if text is None or len(inputs) != 1:
+        raise ConfigError(
+            f"model '{model_name}': expected exactly one input '{contract.INPUT_TEXT}', "
+            f"found {sorted(k for k in inputs if k)}")
+    if text.get("data_type") != contract.INPUT_TEXT_DATATYPE:
+        raise ConfigError(
+            f"model '{model_name}': input '{contract.INPUT_TEXT}' has data_type "
+            f"'{text.get('data_type')}', expected '{contract.INPUT_TEXT_DATATYPE}'")
+    if tuple(int(d) for d in text.get("dims", [])) != contract.INPUT_TEXT_DIMS:
+        raise ConfigError(
+            f"model '{model_name}': input '{contract.INPUT_TEXT}' has dims {text.get('dims')}, "
+            f"expected {list(contract.INPUT_TEXT_DIMS)}")
+    emb = outputs.get(contract.OUTPUT_EMBEDDING)
+    if emb is None or len(outputs) != 1:
+        raise ConfigError(
+            f"model '{model_name}': expected exactly one output '{contract.OUTPUT_EMBEDDING}', "
+            f"found {sorted(k for k in outputs if k)}")
+    if emb.get("data_type") != contract.OUTPUT_EMBEDDING_DATATYPE:
+        raise ConfigError(
+            f"model '{model_name}': output '{contract.OUTPUT_EMBEDDING}' has data_type "
+            f"'{emb.get('data_type')}', expected '{contract.OUTPUT_EMBEDDING_DATATYPE}'")
+    dims = [int(d) for d in emb.get("dims", [])]
+    if len(dims) != 1 or dims[0] <= 0:
+        raise ConfigError(
+            f"model '{model_name}': output '{contract.OUTPUT_EMBEDDING}' has dims {dims}, "
+            "expected one positive width such as [384]")
+    if int(config.get("max_batch_size", 0)) <= 0:
+        raise ConfigError(
+            f"model '{model_name}': max_batch_size is {config.get('max_batch_size', 0)}; "
+            "the coalesce backend needs batching (max_batch_size >= 1)")
+    return dims[0]

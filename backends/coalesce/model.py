@@ -1,0 +1,100 @@
+"""Triton entry point of the ``coalesce`` backend: a thin adapter over the core.
+
+It converts ``pb_utils`` requests to plain numpy rows, hands all requests of one
+``execute`` to the core pipeline together, and converts results and errors back.
+Nothing else lives here: the core (package ``coalesce``) never imports
+``triton_python_backend_utils`` and is tested without Triton.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from coalesce import contract
+from coalesce.errors import CoalesceError, InvalidInputError
+from coalesce.log import Logger
+from coalesce.pipeline import EmbeddingPipeline, RequestInput
+from coalesce.settings import Settings
+
+
+def _triton_error(error: CoalesceError) -> Any:
+    """The one place where core error codes become Triton's.
+
+    Looked up per call: ``pb_utils.TritonError`` is bound only after ``model.py`` is imported.
+    """
+    code = getattr(pb_utils.TritonError, error.code, pb_utils.TritonError.INTERNAL)
+    return pb_utils.TritonError(str(error), code)
+
+
+class _TritonMetricFactory:
+    """Creates each metric family once and hands out labelled handles (``coalesce.metrics.MetricFactory``)."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Any] = {}
+
+    def _family(self, name: str, description: str, kind: Any) -> Any:
+        if name not in self._families:
+            self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        return self._families[name]
+
+    def counter(self, name: str, description: str, labels: dict[str, str]) -> Any:
+        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=dict(labels))
+
+    def histogram(self, name: str, description: str, labels: dict[str, str], buckets: Any) -> Any:
+        family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)
+        return family.Metric(labels=dict(labels), buckets=[float(b) for b in buckets])
+
+
+class TritonPythonModel:
+    """One model instance of the ``coalesce`` backend."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        """Parse settings, load tokenizer and runtime, create metrics; a bad config fails the load."""
+        config = json.loads(args["model_config"])
+        settings = Settings.from_model_config(config)  # ConfigError fails the load with its message
+        version = args["model_version"]
+        version_dir = Path(args["model_repository"]) / version
+        logger = Logger(settings.model_name, pb_utils.Logger)
+        # Families must outlive their metrics: the factory keeps them, and the model keeps the factory.
+        self._metric_factory = _TritonMetricFactory()
+        self._pipeline = EmbeddingPipeline.from_version_dir(
+            settings, version_dir, version=version, metric_factory=self._metric_factory, logger=logger)
+        logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}; "
+                    f"settings {settings}")
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        """Answer every request of the batch Triton formed, one response each, in order."""
+        inputs = [_read_request(request) for request in requests]
+        results = self._pipeline.embed(inputs)
+        responses = []
+        for result in results:
+            if isinstance(result, CoalesceError):
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(result)))
+            else:
+                tensor = pb_utils.Tensor(contract.OUTPUT_EMBEDDING, result)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[tensor]))
+        return responses
+
+    def finalize(self) -> None:
+        """Release the runtime, then the metrics (handles before their families)."""
+        self._pipeline = None  # type: ignore[assignment]
+        self._metric_factory = None  # type: ignore[assignment]
+
+
+def _read_request(request: Any) -> RequestInput:
+    """Turn one request's ``TEXT`` tensor into its raw rows, or the error it deserves."""
+    tensor = pb_utils.get_input_tensor_by_name(request, contract.INPUT_TEXT)
+    if tensor is None:
+        return InvalidInputError(f"request has no input '{contract.INPUT_TEXT}'")
+    array = tensor.as_numpy()
+    if array.ndim != 2 or array.shape[1] != 1:
+        return InvalidInputError(
+            f"input '{contract.INPUT_TEXT}' has shape {list(array.shape)}, expected [N, 1]")
+    if array.dtype != np.object_:
+        return InvalidInputError(f"input '{contract.INPUT_TEXT}' has dtype {array.dtype}, expected BYTES")
+    return list(array[:, 0])
