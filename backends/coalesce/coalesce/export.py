@@ -45,9 +45,6 @@ def export(out_dir: Path, *, force: bool = False) -> bool:
     Returns:
         True if files were written, False if the existing export was current.
     """
-    import torch
-    from transformers import BertModel
-
     model_dir = source_model_dir()
     stamp = out_dir / "export.json"
     fingerprint = _fingerprint(model_dir)
@@ -55,6 +52,10 @@ def export(out_dir: Path, *, force: bool = False) -> bool:
     if (not force and onnx_path.is_file() and (out_dir / "tokenizer.json").is_file() and stamp.is_file()
             and json.loads(stamp.read_text()) == fingerprint):
         return False
+
+    # Imported only when an export is due: they take seconds, and serving never needs them.
+    import torch
+    from transformers import BertModel
 
     class Encoder(torch.nn.Module):
         """Passes inputs as keywords and returns only the token states."""

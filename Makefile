@@ -1,0 +1,38 @@
+# Two commands for a newcomer: `make serve` and `make test`. Both set everything up first.
+VENV   := .venv
+BIN    := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test unit integration lint lock clean
+
+setup:                 ## venv, pinned packages, OS packages, model export, Triton runtime (idempotent)
+	@bash scripts/setup.sh
+
+serve: setup           ## start Triton on model_repository/ (HTTP_PORT, GRPC_PORT, METRICS_PORT, MODEL_CONTROL)
+	$(BIN)/coalesce serve --model-repository model_repository
+
+test: setup            ## lint, then unit and integration tests (a real tritonserver)
+	$(MAKE) --no-print-directory lint
+	$(BIN)/pytest $(PYTEST_ARGS) tests
+
+unit: setup
+	$(BIN)/pytest $(PYTEST_ARGS) tests/unit
+
+integration: setup
+	$(BIN)/pytest $(PYTEST_ARGS) tests/integration
+
+lint:                  ## ruff (style, docstrings) and mypy
+	$(BIN)/ruff check backends client tests scripts
+	$(BIN)/mypy
+
+lock:                  ## re-pin requirements/constraints.txt from a fresh venv
+	rm -rf /tmp/coalesce-lock && python3 -m venv /tmp/coalesce-lock
+	/tmp/coalesce-lock/bin/pip install -q -e ".[dev,serve]"
+	{ echo "# Pinned versions of every package the project installs (pip constraints)."; \
+	  echo "# Regenerate: make lock.  torch is the local CPU build (2.13.0+cpu satisfies ==2.13.0)."; \
+	  /tmp/coalesce-lock/bin/pip freeze --exclude-editable | grep -v '^-e' | sed 's/^torch==\(.*\)+cpu/torch==\1/'; \
+	} > requirements/constraints.txt
+
+clean:
+	rm -rf $(VENV) model_repository/*/[0-9]*/model.onnx model_repository/*/[0-9]*/tokenizer.json \
+	  model_repository/*/[0-9]*/export.json

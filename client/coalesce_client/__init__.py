@@ -1,0 +1,22 @@
+"""Client library for Coalesce embedding models served by Triton (HTTP and gRPC)."""
+
+from coalesce_client.client import AsyncEmbeddingClient, EmbeddingClient
+from coalesce_client.errors import (
+    ClientError,
+    InvalidInputError,
+    ModelNotFoundError,
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+)
+
+__all__ = [
+    "AsyncEmbeddingClient",
+    "ClientError",
+    "EmbeddingClient",
+    "InvalidInputError",
+    "ModelNotFoundError",
+    "RequestTimeoutError",
+    "ServerError",
+    "ServerUnavailableError",
+]

@@ -1,0 +1,50 @@
+"""``coalesce-client``: embed texts or check health from the command line; prints JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from coalesce_client.client import DEFAULT_URLS, EmbeddingClient
+from coalesce_client.errors import ClientError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; exit 0 on success, 1 when the call failed, 2 on bad usage."""
+    parser = argparse.ArgumentParser(prog="coalesce-client", description=__doc__)
+    parser.add_argument("--url", help=f"host:port (default {DEFAULT_URLS['grpc']} for grpc, "
+                                      f"{DEFAULT_URLS['http']} for http)")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--timeout-s", type=float, default=30.0)
+    sub = parser.add_subparsers(dest="command", required=True)
+    embed = sub.add_parser("embed", help="embed texts; prints {model, dim, embeddings}")
+    embed.add_argument("texts", nargs="*", help="texts to embed")
+    embed.add_argument("--stdin", action="store_true", help="read one text per line from standard input")
+    sub.add_parser("health", help="prints {url, ready}")
+    args = parser.parse_args(argv)
+
+    with EmbeddingClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout_s) as client:
+        if args.command == "health":
+            ready = client.is_ready()
+            json.dump({"url": client.url, "model": client.model, "ready": ready}, sys.stdout)
+            sys.stdout.write("\n")
+            return 0 if ready else 1
+        texts = list(args.texts)
+        if args.stdin:
+            texts += [line.rstrip("\n") for line in sys.stdin]
+        if not texts:
+            parser.error("give texts to embed, or --stdin")
+        try:
+            vectors = client.embed(texts)
+        except ClientError as exc:
+            sys.stderr.write(f"coalesce-client: {type(exc).__name__}: {exc}\n")
+            return 1
+        json.dump({"model": client.model, "dim": int(vectors.shape[1]), "embeddings": vectors.tolist()}, sys.stdout)
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""Client-side exceptions, mirroring the backend's error codes.
+
+Every failure of a call surfaces as one of these, with a message saying what
+went wrong and, where the server answered, the server's own message.
+"""
+
+from __future__ import annotations
+
+
+class ClientError(Exception):
+    """Base class of every error the client raises."""
+
+
+class InvalidInputError(ClientError):
+    """The server rejected the request's input (Triton ``INVALID_ARG``, HTTP 400)."""
+
+
+class ModelNotFoundError(ClientError):
+    """The model is unknown to the server or not loaded."""
+
+
+class ServerUnavailableError(ClientError):
+    """The server could not be reached or cannot serve right now (``UNAVAILABLE``)."""
+
+
+class RequestTimeoutError(ClientError):
+    """No answer within the call's timeout."""
+
+
+class ServerError(ClientError):
+    """The server failed while handling the request (``INTERNAL`` or another code)."""

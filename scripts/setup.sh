@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Idempotent set-up for `make serve` and `make test`: OS packages, .venv with pinned
+# packages, the ONNX export of the packaged MiniLM, and a check of the Triton runtime.
+# Each step is skipped when already done, so a second run takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.coalesce-setup-stamp
+say() { printf 'setup: %s\n' "$*" >&2; }
+
+apt_updated=0
+ensure_apt() {  # ensure_apt PACKAGE...: install the Debian packages that are missing
+  local missing=()
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  command -v apt-get >/dev/null || { say "need Debian packages ${missing[*]} but apt-get is missing"; exit 1; }
+  local sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  if [ $apt_updated -eq 0 ]; then $sudo apt-get update -qq; apt_updated=1; fi
+  say "installing Debian packages: ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# 1. Python with venv and a shared libpython (the Triton Python-backend stub links it).
+pyver=$($PYTHON -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+if ! $PYTHON -c 'import venv, ensurepip' 2>/dev/null; then ensure_apt "python${pyver}-venv"; fi
+libdir=$($PYTHON -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')
+if [ ! -e "$libdir/libpython${pyver}.so.1.0" ] && ! ldconfig -p | grep -q "libpython${pyver}.so.1.0"; then
+  ensure_apt "libpython${pyver}"
+fi
+
+# 2. The virtual environment and pinned packages (re-installed only when pins change).
+[ -x $VENV/bin/python ] || { say "creating $VENV"; $PYTHON -m venv $VENV; }
+want=$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)
+if [ "$(cat $STAMP 2>/dev/null)" != "$want" ]; then
+  say "installing pinned packages into $VENV (first run: a few minutes)"
+  log=$VENV/pip-install.log
+  if ! { $VENV/bin/python -m pip install --disable-pip-version-check -U "pip>=24" &&
+         $VENV/bin/python -m pip install --disable-pip-version-check -c requirements/constraints.txt \
+           -e ".[dev,serve]"; } >"$log" 2>&1; then
+    tail -40 "$log" >&2; say "pip install failed; full log in $log"; exit 1
+  fi
+  $VENV/bin/python -c 'import coalesce, coalesce_client, onnxruntime, tokenizers, tritonclient.grpc, pytriton' \
+    || { say "package install failed"; exit 1; }
+  echo "$want" > $STAMP
+else
+  say "packages up to date"
+fi
+
+# 3. The model: ONNX export of the packaged weights (skipped when the export is current).
+for dir in model_repository/*/; do
+  [ -f "$dir/config.pbtxt" ] || continue
+  grep -q 'backend: *"coalesce"' "$dir/config.pbtxt" || continue
+  for version in "$dir"[0-9]*/; do
+    HF_HUB_OFFLINE=1 $VENV/bin/python -m coalesce.export --out "${version%/}"
+  done
+done
+
+# 4. The Triton runtime: the server binary and a stub for this Python must be there.
+$VENV/bin/python - <<'PY'
+import subprocess, sys
+from coalesce.launcher import TritonServer, ServerOptions, find_triton
+from pathlib import Path
+install = find_triton()
+env = TritonServer(ServerOptions(model_repository=Path("model_repository")), install=install).environment()
+for binary in (install.server, install.stub):
+    out = subprocess.run(["ldd", str(binary)], env=env, capture_output=True, text=True).stdout
+    missing = [line.strip() for line in out.splitlines() if "not found" in line]
+    if missing:
+        sys.exit(f"setup: {binary} misses libraries: {missing}")
+print(f"setup: Triton runtime ready: {install.origin}", file=sys.stderr)
+PY
