@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     embed.add_argument("texts", nargs="*", help="texts to embed")
     embed.add_argument("--stdin", action="store_true", help="read one text per line from standard input")
     sub.add_parser("health", help="prints {url, ready}")
+    load = sub.add_parser("load", help="bounded closed-loop load; prints requests/s and Triton's average batch")
+    load.add_argument("--requests", type=int, default=256)
+    load.add_argument("--concurrency", type=int, default=32)
+    load.add_argument("--texts-per-request", type=int, default=1)
+    load.add_argument("--stats-url", help="gRPC host:port for Triton's statistics (default: --url with gRPC)")
     args = parser.parse_args(argv)
 
     with EmbeddingClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout_s) as client:
@@ -31,6 +36,19 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"url": client.url, "model": client.model, "ready": ready}, sys.stdout)
             sys.stdout.write("\n")
             return 0 if ready else 1
+        if args.command == "load":
+            from coalesce_client.load import run_load
+
+            stats_url = args.stats_url or (client.url if args.protocol == "grpc" else DEFAULT_URLS["grpc"])
+            try:
+                report = run_load(client, stats_url=stats_url, requests=args.requests,
+                                  concurrency=args.concurrency, texts_per_request=args.texts_per_request)
+            except ClientError as exc:
+                sys.stderr.write(f"coalesce-client: {type(exc).__name__}: {exc}\n")
+                return 1
+            json.dump(report.as_dict(), sys.stdout)
+            sys.stdout.write("\n")
+            return 0
         texts = list(args.texts)
         if args.stdin:
             texts += [line.rstrip("\n") for line in sys.stdin]

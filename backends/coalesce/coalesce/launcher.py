@@ -131,6 +131,7 @@ class ServerOptions:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    host: str = "0.0.0.0"
     model_control: str = "none"
     load_models: tuple[str, ...] = ()
     log_verbose: int = 0
@@ -182,6 +183,7 @@ class TritonServer:
             str(self.install.server),
             f"--model-repository={o.model_repository.resolve()}",
             f"--backend-directory={self._workdir / 'backends'}",
+            f"--http-address={o.host}", f"--grpc-address={o.host}", f"--metrics-address={o.host}",
             f"--http-port={o.http_port}", f"--grpc-port={o.grpc_port}", f"--metrics-port={o.metrics_port}",
             f"--model-control-mode={o.model_control}",
             f"--log-verbose={o.log_verbose}",

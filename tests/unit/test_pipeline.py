@@ -1,0 +1,147 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coalesce.errors import CoalesceError, InvalidInputError, RuntimeFailure
+from coalesce.metrics import InMemoryMetricFactory, PipelineMetrics
+from coalesce.pipeline import EmbeddingPipeline
+from coalesce.settings import Settings
+from coalesce.tokenizer import TextTokenizer
+from tests.conftest import TRICKY_TEXTS, VERSION_DIR
+
+DIM = 384
+
+
+class TableRuntime:
+    """A deterministic encoder: each token's state is a fixed random vector of its id.
+
+    Row-independent and blind to padding (padded positions are masked out by pooling), so
+    any correct coalescing must give exactly the per-request result.
+    """
+
+    name = "table"
+    hidden_size = DIM
+
+    def __init__(self, fail_when_padded_to: int | None = None) -> None:
+        self.table = np.random.default_rng(0).standard_normal((40_000, DIM)).astype(np.float32)
+        self.calls: list[tuple[int, int]] = []
+        self.fail_when_padded_to = fail_when_padded_to
+
+    def run(self, input_ids, attention_mask, token_type_ids):
+        assert input_ids.dtype == np.int64 and input_ids.shape == attention_mask.shape == token_type_ids.shape
+        self.calls.append(input_ids.shape)
+        if input_ids.shape[1] == self.fail_when_padded_to:
+            raise RuntimeFailure(f"injected failure at padded length {self.fail_when_padded_to}")
+        return self.table[input_ids]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(version_dir):
+    return TextTokenizer(version_dir / "tokenizer.json", 256)
+
+
+def make(tokenizer, runtime=None, **params):
+    settings = Settings.from_parameters({k: str(v) for k, v in params.items()}, model_name="m",
+                                        max_batch_size=64, embedding_dim=DIM)
+    factory = InMemoryMetricFactory()
+    pipeline = EmbeddingPipeline(settings, runtime or TableRuntime(), tokenizer,
+                                 PipelineMetrics(factory, model="m", version="1"))
+    return pipeline, factory
+
+
+def enc(texts):
+    return [t.encode("utf-8") for t in texts]
+
+
+def test_tokenizer_truncates_at_256_and_never_pads(tokenizer):
+    rows = tokenizer.encode(["", "hello", "word " * 1000])
+    assert rows.lengths.tolist()[:2] == [2, 3]  # [CLS] [SEP], [CLS] hello [SEP]
+    assert rows.lengths[2] == 256
+
+
+def test_one_forward_pass_for_many_requests(tokenizer):
+    runtime = TableRuntime()
+    pipeline, factory = make(tokenizer, runtime)
+    results = pipeline.embed([enc(["a b c"]), enc(["d e f"]), enc(["g h i", "j k l"])])
+    assert [r.shape for r in results] == [(1, DIM), (1, DIM), (2, DIM)]
+    assert len(runtime.calls) == 1
+    assert factory.value("coalesce_forward_passes_total") == 1
+    assert factory.value("coalesce_rows_total") == 4
+    assert factory.value("coalesce_requests_total") == 3
+
+
+def test_scatter_order_and_equivalence_to_single_requests(tokenizer):
+    pipeline, _ = make(tokenizer)
+    requests = [enc(TRICKY_TEXTS[:3]), enc(TRICKY_TEXTS[3:4]), enc(TRICKY_TEXTS[4:])]
+    together = pipeline.embed(requests)
+    for request, got in zip(requests, together, strict=True):
+        for row, text in enumerate(request):
+            (alone,) = pipeline.embed([[text]])
+            np.testing.assert_allclose(got[row], alone[0], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_request_gets_its_own_error_and_neighbours_succeed(tokenizer):
+    pipeline, factory = make(tokenizer, max_text_bytes=100)
+    results = pipeline.embed([enc(["fine"]), [b"ok", b"\xff\xfebad"], [], enc(["x" * 101]),
+                              InvalidInputError("adapter said no"), enc(["also fine"])])
+    assert isinstance(results[0], np.ndarray) and isinstance(results[5], np.ndarray)
+    assert isinstance(results[1], InvalidInputError)
+    assert "row 1 is not valid UTF-8: byte 0xff at offset 0" in str(results[1])
+    assert isinstance(results[2], InvalidInputError) and "no rows" in str(results[2])
+    assert isinstance(results[3], InvalidInputError) and "101 bytes" in str(results[3])
+    assert str(results[4]) == "adapter said no"
+    assert factory.value("coalesce_request_failures_total") == 4
+    assert factory.value("coalesce_rows_total") == 2
+
+
+def test_runtime_failure_fails_only_requests_in_that_pass(tokenizer):
+    # "a" is 3 tokens; the long text is cut into its own pass, which fails.
+    pipeline, _ = make(tokenizer, TableRuntime(fail_when_padded_to=256))
+    results = pipeline.embed([enc(["a"]), enc(["word " * 300]), enc(["b", "c"])])
+    assert isinstance(results[0], np.ndarray) and isinstance(results[2], np.ndarray)
+    assert isinstance(results[1], CoalesceError) and results[1].code == "INTERNAL"
+    assert "injected failure" in str(results[1])
+
+
+def test_padding_metrics(tokenizer):
+    pipeline, factory = make(tokenizer, max_padding_ratio=1000)
+    pipeline.embed([enc(["a", "a b c d e f"])])  # 3 and 8 tokens in one pass
+    assert factory.value("coalesce_real_tokens_total") == 11
+    assert factory.value("coalesce_padded_tokens_total") == 16
+    assert factory.observations("coalesce_padding_ratio") == [pytest.approx(16 / 11)]
+    assert factory.observations("coalesce_forward_batch_rows") == [2]
+    assert len(factory.observations("coalesce_stage_seconds", stage="infer")) == 1
+
+
+def test_output_width_must_match_config(tokenizer):
+    settings = Settings.from_parameters({}, model_name="m", embedding_dim=768)
+    with pytest.raises(CoalesceError, match=r"dims \[768\] but the table model produces width 384"):
+        EmbeddingPipeline(settings, TableRuntime(), tokenizer,
+                          PipelineMetrics(InMemoryMetricFactory(), model="m", version="1"))
+
+
+text_strategy = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.lists(text_strategy, min_size=1, max_size=6), min_size=1, max_size=8),
+       max_rows=st.integers(1, 16), ratio=st.floats(1.0, 3.0))
+def test_coalesced_equals_per_request(tokenizer, requests, max_rows, ratio):
+    pipeline, _ = make(tokenizer, max_batch_rows=max_rows, max_padding_ratio=ratio)
+    together = pipeline.embed([enc(r) for r in requests])
+    for request, got in zip(requests, together, strict=True):
+        (alone,) = pipeline.embed([enc(request)])
+        assert got.shape == (len(request), DIM)
+        np.testing.assert_allclose(got, alone, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
+
+
+def test_real_onnx_runtime_matches_sentence_transformers(version_dir, reference_model):
+    settings = Settings.from_parameters({}, model_name="minilm", max_batch_size=64, embedding_dim=DIM)
+    pipeline = EmbeddingPipeline.from_version_dir(settings, version_dir)
+    got = np.concatenate(pipeline.embed([enc(TRICKY_TEXTS[:4]), enc(TRICKY_TEXTS[4:])]))
+    want = reference_model.encode(TRICKY_TEXTS, normalize_embeddings=True)
+    cosine = (got * want).sum(axis=1)
+    assert cosine.min() >= 0.999, cosine
+    assert VERSION_DIR.samefile(version_dir)
