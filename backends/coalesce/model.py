@@ -9,6 +9,7 @@ Nothing else lives here: the core (package ``coalesce``) never imports
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,11 @@ class _TritonMetricFactory:
             self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
         return self._families[name]
 
-    def counter(self, name: str, description: str, labels: dict[str, str]) -> Any:
+    def counter(self, name: str, description: str, labels: Mapping[str, str]) -> Any:
         return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=dict(labels))
 
-    def histogram(self, name: str, description: str, labels: dict[str, str], buckets: Any) -> Any:
+    def histogram(self, name: str, description: str, labels: Mapping[str, str],
+                  buckets: Sequence[float]) -> Any:
         family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)
         return family.Metric(labels=dict(labels), buckets=[float(b) for b in buckets])
 

@@ -154,7 +154,7 @@ class EmbeddingClient:
         if self.protocol == "grpc":
             import tritonclient.grpc as tc
         else:
-            import tritonclient.http as tc  # type: ignore[no-redef]
+            import tritonclient.http as tc
         data = encode_texts(texts)
         infer_input = tc.InferInput(INPUT_TEXT, list(data.shape), "BYTES")
         infer_input.set_data_from_numpy(data)
@@ -258,7 +258,7 @@ class AsyncEmbeddingClient:
         if self.protocol == "grpc":
             import tritonclient.grpc as tc
         else:
-            import tritonclient.http as tc  # type: ignore[no-redef]
+            import tritonclient.http as tc
         data = encode_texts(texts)
         if len(texts) == 0:
             raise InvalidInputError("texts is empty: pass at least one text")

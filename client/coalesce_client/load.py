@@ -16,8 +16,9 @@ from typing import Any
 
 from coalesce_client.client import EmbeddingClient
 
-_WORDS = ("batch queue latency token model server request vector embedding search index cache "
-          "throughput kernel padding tensor shape runtime engine client stream graph layer").split()
+_WORDS = ("batch", "queue", "latency", "token", "model", "server", "request", "vector", "embedding", "search",
+          "index", "cache", "throughput", "kernel", "padding", "tensor", "shape", "runtime", "engine", "client",
+          "stream", "graph", "layer")
 
 
 @dataclasses.dataclass(frozen=True)

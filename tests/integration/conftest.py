@@ -8,6 +8,7 @@ shown when a test fails.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -43,8 +44,8 @@ def repository(tmp_path_factory, version_dir) -> Path:
     repo = tmp_path_factory.mktemp("model_repository")
     add_model(repo, "minilm")
     add_model(repo, WIDE_MODEL, replace={
-        r"dynamic_batching \{.*?\n\}": "dynamic_batching {\n  preferred_batch_size: [ %d ]\n"
-                                       "  max_queue_delay_microseconds: 2000000\n}" % WIDE_BATCH})
+        r"dynamic_batching \{.*?\n\}": f"dynamic_batching {{\n  preferred_batch_size: [ {WIDE_BATCH} ]\n"
+                                       "  max_queue_delay_microseconds: 2000000\n}"})
     return repo
 
 
@@ -102,8 +103,6 @@ def scratch_model(repository, http_client):
 
     yield make
     for name in names:
-        try:
+        with contextlib.suppress(Exception):
             http_client.unload_model(name)
-        except Exception:
-            pass
         shutil.rmtree(repository / name, ignore_errors=True)

@@ -109,7 +109,8 @@ def test_bad_request_in_a_batch_does_not_fail_its_neighbours(server, reference_m
     for t in threads:
         t.join(timeout=60)
     deadline = time.monotonic() + 5
-    while (after := model_counts(server.grpc_url, WIDE_MODEL))[0] < before[0] + WIDE_BATCH and time.monotonic() < deadline:
+    while ((after := model_counts(server.grpc_url, WIDE_MODEL))[0] < before[0] + WIDE_BATCH
+           and time.monotonic() < deadline):
         time.sleep(0.05)  # statistics land just after the responses
     assert after[1] - before[1] == 1, "all six requests should have shared one execute()"
     assert isinstance(results[2], InferenceServerException)

@@ -49,7 +49,7 @@ def test_bad_parameters_name_model_key_and_value(key, value, fragment):
 
 
 def test_token_budget_must_fit_one_full_length_row():
-    with pytest.raises(ConfigError, match="'max_batch_tokens' .*below 'max_sequence_length'"):
+    with pytest.raises(ConfigError, match=r"'max_batch_tokens' .*below 'max_sequence_length'"):
         Settings.from_parameters({"max_batch_tokens": "100", "max_sequence_length": "256"}, model_name="m")
 
 

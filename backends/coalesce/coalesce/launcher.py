@@ -250,10 +250,10 @@ class TritonServer:
                     self._reader.join(timeout=5)
                 raise LaunchError(f"tritonserver exited with code {code} before it was ready; "
                                   f"last log lines:\n{self.log_tail()}")
-            with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                with urllib.request.urlopen(url, timeout=1) as response:
-                    if response.status == 200:
-                        return
+            with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError), \
+                    urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
             time.sleep(0.25)
         raise LaunchError(f"tritonserver was not ready within {self.options.ready_timeout_s:.0f} s; "
                           f"last log lines:\n{self.log_tail()}")
