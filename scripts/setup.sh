@@ -52,7 +52,9 @@ fi
 for dir in model_repository/*/; do
   [ -f "$dir/config.pbtxt" ] || continue
   grep -q 'backend: *"coalesce"' "$dir/config.pbtxt" || continue
-  for version in "$dir"[0-9]*/; do
+  versions=("$dir"[0-9]*/)
+  [ -d "${versions[0]}" ] || versions=("${dir}1/")  # a fresh clone has no version folder yet
+  for version in "${versions[@]}"; do
     HF_HUB_OFFLINE=1 $VENV/bin/python -m coalesce.export --out "${version%/}"
   done
 done
