@@ -103,7 +103,6 @@ class EmbeddingClient:
         self._local = threading.local()
         self._grpc: Any = None
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
 
     def _client(self) -> Any:
         if self.protocol == "grpc":
@@ -180,9 +179,10 @@ class EmbeddingClient:
         encode_texts(texts)  # type check before any network traffic
         if len(texts) == 0:
             raise InvalidInputError("texts is empty: pass at least one text")
-        limit = self.max_rows_per_request() if self._max_rows is None and len(texts) > 1 else (self._max_rows or 1)
-        if len(texts) <= limit:
+        # A single text never needs the model's limit, so it costs no config lookup.
+        if len(texts) == 1 or len(texts) <= self.max_rows_per_request():
             return self._infer_one(texts)
+        limit = self.max_rows_per_request()
         chunks = [texts[i:i + limit] for i in range(0, len(texts), limit)]
         return np.concatenate(self.embed_many(chunks))
 
@@ -195,20 +195,13 @@ class EmbeddingClient:
         items = list(batches)
         if not items:
             return []
-        with self._lock:
-            if self._pool is None or self._pool._max_workers < max_in_flight:
-                if self._pool is not None:
-                    self._pool.shutdown(wait=False)
-                self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="coalesce-client")
-            pool = self._pool
-        return list(pool.map(self.embed, items))
+        workers = max(1, min(max_in_flight, len(items)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coalesce-client") as pool:
+            return list(pool.map(self.embed, items))
 
     def close(self) -> None:
-        """Close connections and worker threads."""
+        """Close the connections of this thread (and the shared gRPC channel)."""
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
             if self._grpc is not None:
                 self._grpc.close()
                 self._grpc = None
