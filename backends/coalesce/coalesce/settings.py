@@ -163,32 +163,28 @@ def _convert(model_name: str, field: dataclasses.Field[Any], raw: str) -> Any:
     return value
 
 
+def _only_tensor(model_name: str, config: Mapping[str, Any], kind: str, name: str,
+                 data_type: str) -> Mapping[str, Any]:
+    """The single ``kind`` ("input"/"output") tensor ``name`` of the config, with its data type checked."""
+    tensors = {t.get("name"): t for t in config.get(kind, [])}
+    tensor = tensors.get(name)
+    if tensor is None or len(tensors) != 1:
+        raise ConfigError(f"model '{model_name}': expected exactly one {kind} '{name}', "
+                          f"found {sorted(k for k in tensors if k)}")
+    if tensor.get("data_type") != data_type:
+        raise ConfigError(f"model '{model_name}': {kind} '{name}' has data_type "
+                          f"'{tensor.get('data_type')}', expected '{data_type}'")
+    return tensor
+
+
 def _check_io(model_name: str, config: Mapping[str, Any]) -> int:
     """Check inputs/outputs against the embedding contract; return the embedding width."""
-    inputs = {i.get("name"): i for i in config.get("input", [])}
-    outputs = {o.get("name"): o for o in config.get("output", [])}
-    text = inputs.get(contract.INPUT_TEXT)
-    if text is None or len(inputs) != 1:
-        raise ConfigError(
-            f"model '{model_name}': expected exactly one input '{contract.INPUT_TEXT}', "
-            f"found {sorted(k for k in inputs if k)}")
-    if text.get("data_type") != contract.INPUT_TEXT_DATATYPE:
-        raise ConfigError(
-            f"model '{model_name}': input '{contract.INPUT_TEXT}' has data_type "
-            f"'{text.get('data_type')}', expected '{contract.INPUT_TEXT_DATATYPE}'")
+    text = _only_tensor(model_name, config, "input", contract.INPUT_TEXT, contract.INPUT_TEXT_DATATYPE)
     if tuple(int(d) for d in text.get("dims", [])) != contract.INPUT_TEXT_DIMS:
         raise ConfigError(
             f"model '{model_name}': input '{contract.INPUT_TEXT}' has dims {text.get('dims')}, "
             f"expected {list(contract.INPUT_TEXT_DIMS)}")
-    emb = outputs.get(contract.OUTPUT_EMBEDDING)
-    if emb is None or len(outputs) != 1:
-        raise ConfigError(
-            f"model '{model_name}': expected exactly one output '{contract.OUTPUT_EMBEDDING}', "
-            f"found {sorted(k for k in outputs if k)}")
-    if emb.get("data_type") != contract.OUTPUT_EMBEDDING_DATATYPE:
-        raise ConfigError(
-            f"model '{model_name}': output '{contract.OUTPUT_EMBEDDING}' has data_type "
-            f"'{emb.get('data_type')}', expected '{contract.OUTPUT_EMBEDDING_DATATYPE}'")
+    emb = _only_tensor(model_name, config, "output", contract.OUTPUT_EMBEDDING, contract.OUTPUT_EMBEDDING_DATATYPE)
     dims = [int(d) for d in emb.get("dims", [])]
     if len(dims) != 1 or dims[0] <= 0:
         raise ConfigError(
