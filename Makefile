@@ -22,7 +22,7 @@ integration: setup
 	$(BIN)/pytest $(PYTEST_ARGS) tests/integration
 
 lint:                  ## ruff (style, docstrings) and mypy
-	$(BIN)/ruff check backends client tests scripts
+	$(BIN)/ruff check backends client tests scripts perf
 	$(BIN)/mypy
 
 lock:                  ## re-pin requirements/constraints.txt from a fresh venv

@@ -42,6 +42,8 @@ def tokenizer(version_dir):
 
 
 def make(tokenizer, runtime=None, **params):
+    # A fixed, CPU-like cost model (1 ms a pass, 0.1 ms a token) keeps plans deterministic.
+    params.setdefault("cost_model", "0.001,0.0001,0")
     settings = Settings.from_parameters({k: str(v) for k, v in params.items()}, model_name="m",
                                         max_batch_size=64, embedding_dim=DIM)
     factory = InMemoryMetricFactory()
@@ -105,7 +107,7 @@ def test_runtime_failure_fails_only_requests_in_that_pass(tokenizer):
 
 
 def test_padding_metrics(tokenizer):
-    pipeline, factory = make(tokenizer, max_padding_ratio=1000)
+    pipeline, factory = make(tokenizer, planner="greedy", max_padding_ratio=1000)
     pipeline.embed([enc(["a", "a b c d e f"])])  # 3 and 8 tokens in one pass
     assert factory.value("coalesce_real_tokens_total") == 11
     assert factory.value("coalesce_padded_tokens_total") == 16
@@ -124,11 +126,18 @@ def test_output_width_must_match_config(tokenizer):
 text_strategy = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60)
 
 
+def test_calibrated_cost_model_is_used(tokenizer):
+    pipeline, _ = make(tokenizer, cost_model="auto")
+    model = pipeline.cost_model
+    assert min(model.a_s, model.b_s, model.c_s) >= 0
+    assert model.predict_s(8, 64) > 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(requests=st.lists(st.lists(text_strategy, min_size=1, max_size=6), min_size=1, max_size=8),
-       max_rows=st.integers(1, 16), ratio=st.floats(1.0, 3.0))
-def test_coalesced_equals_per_request(tokenizer, requests, max_rows, ratio):
-    pipeline, _ = make(tokenizer, max_batch_rows=max_rows, max_padding_ratio=ratio)
+       max_rows=st.integers(1, 16), ratio=st.floats(1.0, 3.0), planner=st.sampled_from(["dp", "greedy"]))
+def test_coalesced_equals_per_request(tokenizer, requests, max_rows, ratio, planner):
+    pipeline, _ = make(tokenizer, max_batch_rows=max_rows, max_padding_ratio=ratio, planner=planner)
     together = pipeline.embed([enc(r) for r in requests])
     for request, got in zip(requests, together, strict=True):
         (alone,) = pipeline.embed([enc(request)])

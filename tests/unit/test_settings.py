@@ -40,6 +40,9 @@ def test_settings_are_frozen():
     ("runtime", "tensorflow", "parameter 'runtime' has bad value 'tensorflow': expected one of auto, onnxruntime"),
     ("max_sequence_length", "4096", "must be <= 512"),
     ("onnx_file", "", "must not be empty"),
+    ("planner", "magic", "expected one of dp, greedy"),
+    ("cost_model", "1,2", "parameter 'cost_model' has bad value '1,2': expected 'auto' or three non-negative"),
+    ("cost_model", "1,-2,3", "has bad value '1,-2,3'"),
 ])
 def test_bad_parameters_name_model_key_and_value(key, value, fragment):
     with pytest.raises(ConfigError) as info:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from coalesce.costmodel import CostModel
+
 
 @dataclasses.dataclass(frozen=True)
 class SubBatch:
@@ -90,3 +92,50 @@ def plan_sub_batches(lengths: Sequence[int] | np.ndarray, limits: PlanLimits) ->
 
 def _make(rows: np.ndarray, lengths: np.ndarray, real: int) -> SubBatch:
     return SubBatch(rows=rows, padded_length=int(lengths[rows[-1]]), real_tokens=real)
+
+
+def plan_sub_batches_dp(lengths: Sequence[int] | np.ndarray, limits: PlanLimits,
+                        cost: CostModel) -> list[SubBatch]:
+    """Cut rows into the sub-batches of least predicted total time.
+
+    Rows are sorted by length; an optimal plan then cuts the sorted order into
+    contiguous runs (exchanging rows between runs can only raise some run's padded
+    length). Dynamic programming over the cut points, with ``best[j]`` the least
+    time of the first ``j`` sorted rows, under the row limit and the token budget
+    (``max_padding_ratio`` is not used: padding is priced by the model itself).
+
+    Args:
+        lengths: Token length of each row.
+        limits: Row limit and token budget of one pass.
+        cost: Predicted time of a pass.
+
+    Returns:
+        Sub-batches covering every row exactly once, in ascending length.
+    """
+    lengths_arr = np.asarray(lengths, dtype=np.int64)
+    n = lengths_arr.size
+    if n == 0:
+        return []
+    order = np.argsort(lengths_arr, kind="stable")
+    sorted_len = lengths_arr[order]
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        pad = int(sorted_len[j - 1])
+        most = min(limits.max_rows, max(1, limits.max_tokens // pad), j)
+        starts = np.arange(j - most, j)
+        candidates = best[starts] + cost.predict_s(j - starts, pad)
+        k = int(np.argmin(candidates))
+        best[j] = candidates[k]
+        cut[j] = starts[k]
+    plans: list[SubBatch] = []
+    j = n
+    while j > 0:
+        i = int(cut[j])
+        rows = order[i:j]
+        plans.append(SubBatch(rows=rows, padded_length=int(sorted_len[j - 1]),
+                              real_tokens=int(sorted_len[i:j].sum())))
+        j = i
+    plans.reverse()
+    return plans

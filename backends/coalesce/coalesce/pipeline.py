@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from coalesce.coalescer import PlanLimits, SubBatch, plan_sub_batches
+from coalesce.coalescer import PlanLimits, SubBatch, plan_sub_batches, plan_sub_batches_dp
+from coalesce.costmodel import CostModel, calibrate
 from coalesce.errors import CoalesceError, ConfigError, InvalidInputError
 from coalesce.log import Logger
 from coalesce.metrics import InMemoryMetricFactory, MetricFactory, PipelineMetrics
@@ -59,6 +60,7 @@ class EmbeddingPipeline:
         self.logger = logger or Logger(settings.model_name)
         self.limits = PlanLimits(max_rows=settings.max_batch_rows, max_tokens=settings.max_batch_tokens,
                                  max_padding_ratio=settings.max_padding_ratio)
+        self.cost_model = self._cost_model()
         self.last_stats: ExecuteStats | None = None
 
     @classmethod
@@ -73,6 +75,25 @@ class EmbeddingPipeline:
         metrics = PipelineMetrics(metric_factory or InMemoryMetricFactory(), model=settings.model_name,
                                   version=version)
         return cls(settings, choice.runtime, tokenizer, metrics, logger)
+
+    def _cost_model(self) -> CostModel:
+        if self.settings.cost_model != "auto":
+            return CostModel.parse(self.settings.cost_model)
+        start = time.perf_counter()
+        model, samples = calibrate(self.runtime, max_rows=self.settings.max_batch_rows,
+                                   max_tokens=self.settings.max_batch_tokens,
+                                   max_length=self.settings.max_sequence_length)
+        self.logger.info(
+            f"cost model calibrated in {time.perf_counter() - start:.2f} s: a,b,c = {model} "
+            f"(set parameter cost_model to '{model}' to skip calibration); samples (rows, len, s): "
+            + ", ".join(f"({r}, {n}, {s:.4f})" for r, n, s in samples))
+        return model
+
+    def plan(self, lengths: np.ndarray) -> list[SubBatch]:
+        """Cut rows of the given token lengths into forward passes, by the configured planner."""
+        if self.settings.planner == "greedy":
+            return plan_sub_batches(lengths, self.limits)
+        return plan_sub_batches_dp(lengths, self.limits, self.cost_model)
 
     def embed(self, requests: Sequence[RequestInput]) -> list[RequestResult]:
         """Embed the rows of all requests together; one result per request, in order."""
@@ -116,7 +137,7 @@ class EmbeddingPipeline:
         encoded = self.tokenizer.encode(texts)
         t1 = time.perf_counter()
         stage["tokenize"].observe(t1 - t0)
-        plans = plan_sub_batches(encoded.lengths, self.limits)
+        plans = self.plan(encoded.lengths)
         t2 = time.perf_counter()
         stage["plan"].observe(t2 - t1)
 

@@ -17,6 +17,7 @@ from coalesce.errors import ConfigError
 
 RUNTIME_CHOICES: Final = ("auto", "onnxruntime")
 POOLING_CHOICES: Final = ("mean", "cls")
+PLANNER_CHOICES: Final = ("dp", "greedy")
 _TRUE: Final = frozenset({"true", "1", "yes", "on"})
 _FALSE: Final = frozenset({"false", "0", "no", "off"})
 
@@ -49,8 +50,15 @@ class Settings:
     max_batch_tokens: int = _spec(
         8192, "Most padded tokens (rows x padded length) in one forward pass; bounds activation memory.",
         low=2, high=16_777_216)
+    planner: str = _spec(
+        "dp", "How rows are cut into passes: `dp` picks the cuts of least predicted time under the cost "
+        "model; `greedy` fills passes in length order up to the limits and `max_padding_ratio`.",
+        choices=PLANNER_CHOICES)
+    cost_model: str = _spec(
+        "auto", "Predicted seconds of a pass, `a,b,c` in a + b*rows*len + c*rows*len^2; `auto` times the "
+        "runtime at load and fits it.")
     max_padding_ratio: float = _spec(
-        1.25, "Most padded tokens over real tokens in one forward pass; a longer row starts a new pass.",
+        1.25, "Greedy planner only: most padded over real tokens in one pass; a longer row starts a new pass.",
         low=1.0, high=1000.0)
     intra_op_threads: int = _spec(0, "ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.",
                                   low=0, high=1024)
@@ -120,6 +128,15 @@ class Settings:
             embedding_dim=embedding_dim)
 
     def _check_consistency(self) -> None:
+        if self.cost_model != "auto":
+            from coalesce.costmodel import CostModel
+
+            try:
+                CostModel.parse(self.cost_model)
+            except ConfigError:
+                raise ConfigError(f"model '{self.model_name}': parameter 'cost_model' has bad value "
+                                  f"'{self.cost_model}': expected 'auto' or three non-negative numbers "
+                                  "'a,b,c' (seconds)") from None
         if self.max_batch_tokens < self.max_sequence_length:
             raise ConfigError(
                 f"model '{self.model_name}': parameter 'max_batch_tokens' (value '{self.max_batch_tokens}') "

@@ -1,0 +1,1 @@
+"""Benchmarks, workloads and baselines of Coalesce; results land in ``perf/results/``."""

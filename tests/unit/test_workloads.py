@@ -1,0 +1,39 @@
+import collections
+
+from perf import workloads
+
+
+def test_seeded_and_distinct():
+    assert workloads.queries(300, seed=1) == workloads.queries(300, seed=1)
+    assert workloads.queries(300, seed=1) != workloads.queries(300, seed=2)
+    for profile in ("queries", "documents"):
+        texts = workloads.generate(profile, 2000, seed=0)
+        assert len(set(texts)) == 2000
+
+
+def test_query_lengths():
+    lengths = [len(t.split()) for t in workloads.queries(2000)]
+    assert min(lengths) >= 1 and max(lengths) <= 16
+    assert sum(3 <= n <= 16 for n in lengths) / len(lengths) > 0.95
+
+
+def test_documents_have_a_long_tail():
+    words = sorted(len(t.split()) for t in workloads.documents(2000))
+    assert words[len(words) // 2] <= 30  # most are short
+    assert sum(n > 100 for n in words) / len(words) > 0.05  # a tail well past 128 tokens
+
+
+def test_duplicates_are_zipf_over_a_small_set():
+    texts = workloads.duplicates(5000, unique=200)
+    counts = collections.Counter(texts).most_common()
+    assert len(counts) <= 200
+    assert counts[0][1] > 10 * counts[-1][1]
+
+
+def test_input_data_format(tmp_path):
+    out = workloads.write("queries", 10, 0, tmp_path / "q.json")
+    import json
+
+    data = json.loads(out.read_text())["data"]
+    assert len(data) == 10
+    assert data[0]["TEXT"]["shape"] == [1] and isinstance(data[0]["TEXT"]["content"][0], str)
