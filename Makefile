@@ -3,7 +3,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test unit integration lint lock clean
+BENCH_ARGS ?=
+
+.PHONY: setup serve test unit integration lint lock clean bench
 
 setup:                 ## venv, pinned packages, OS packages, model export, Triton runtime (idempotent)
 	@bash scripts/setup.sh
@@ -14,6 +16,10 @@ serve: setup           ## start Triton on model_repository/ (HTTP_PORT, GRPC_POR
 test: setup            ## lint, then unit and integration tests (a real tritonserver)
 	$(MAKE) --no-print-directory lint
 	$(BIN)/pytest $(PYTEST_ARGS) tests
+
+bench:                 ## perf_analyzer: coalesce vs naive side by side, offline ceilings; writes perf/results/
+	@bash scripts/setup.sh --bench
+	$(BIN)/python -m perf.bench $(BENCH_ARGS)
 
 unit: setup
 	$(BIN)/pytest $(PYTEST_ARGS) tests/unit

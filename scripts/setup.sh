@@ -22,6 +22,15 @@ ensure_apt() {  # ensure_apt PACKAGE...: install the Debian packages that are mi
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+BENCH=0
+for arg in "$@"; do
+  case "$arg" in
+    --bench) BENCH=1 ;;  # also what perf_analyzer needs: Debian's libb64-0d
+    *) say "unknown option $arg"; exit 2 ;;
+  esac
+done
+[ $BENCH -eq 1 ] && ensure_apt libb64-0d
+
 # 1. Python with venv and a shared libpython (the Triton Python-backend stub links it).
 pyver=$($PYTHON -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 if ! $PYTHON -c 'import venv, ensurepip' 2>/dev/null; then ensure_apt "python${pyver}-venv"; fi

@@ -1,0 +1,1 @@
+"""Baselines measured beside Coalesce; never part of the product's model repository."""
