@@ -24,7 +24,8 @@ def find(points: Sequence[Point], **match: Any) -> Point | None:
     return None
 
 
-def ratio_rows(points: Sequence[Point], limits: Mapping[str, Mapping[str, float]], protocol: str) -> list[dict[str, Any]]:
+def ratio_rows(points: Sequence[Point], limits: Mapping[str, Mapping[str, Any]],
+               protocol: str) -> list[dict[str, Any]]:
     """One row per (profile, concurrency): coalesce over naive, limit@N and limit, with p99s."""
     rows = []
     for profile in sorted({p["profile"] for p in points}):
@@ -78,7 +79,7 @@ def markdown(run: Mapping[str, Any]) -> str:
                 lines.append(f"| {profile} | {name} | {value:.1f} |")
     lines += ["", "## All points", "",
               "| system | profile | protocol | N | texts/s | p50 ms | p95 ms | p99 ms | queue ms | infer ms | "
-              "avg batch | $/M inferences |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "avg batch | $/M inferences |", "|" + " --- |" * 12]
     for p in run["points"]:
         lines.append("| " + " | ".join([p["system"], p["profile"], p["protocol"], str(p["concurrency"]),
                                          _fmt(p["throughput_per_s"], 1), _fmt(p["p50_ms"], 1), _fmt(p["p95_ms"], 1),

@@ -7,6 +7,7 @@ tokenizer as ``minilm``. It is what a user writes without Coalesce.
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -17,7 +18,7 @@ from tokenizers import Tokenizer
 class TritonPythonModel:
     """One forward pass per request."""
 
-    def initialize(self, args):
+    def initialize(self, args: dict[str, str]) -> None:
         """Load tokenizer and ONNX session from the version folder."""
         folder = Path(args["model_repository"]) / args["model_version"]
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -26,7 +27,7 @@ class TritonPythonModel:
         self.session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
         self.config = json.loads(args["model_config"])
 
-    def execute(self, requests):
+    def execute(self, requests: list[Any]) -> list[Any]:
         """Embed each request on its own."""
         responses = []
         for request in requests:
