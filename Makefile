@@ -4,8 +4,11 @@ BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
 BENCH_ARGS ?=
+P99_MS ?= 200
+TUNE_ARGS ?=
+TUNE_PROFILE ?= queries
 
-.PHONY: setup serve test unit integration lint lock clean bench
+.PHONY: setup serve test unit integration lint lock clean bench tune
 
 setup:                 ## venv, pinned packages, OS packages, model export, Triton runtime (idempotent)
 	@bash scripts/setup.sh
@@ -20,6 +23,11 @@ test: setup            ## lint, then unit and integration tests (a real tritonse
 bench:                 ## perf_analyzer: coalesce vs naive side by side, offline ceilings; writes perf/results/
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.bench $(BENCH_ARGS)
+
+tune:                  ## coalesce tune --p99-ms $(P99_MS) on a seeded workload; writes perf/results/tune-*
+	@bash scripts/setup.sh --bench
+	$(BIN)/python -m perf.workloads --profile $(TUNE_PROFILE) --count 3000 --out .triton/tune-$(TUNE_PROFILE).json
+	$(BIN)/coalesce tune --p99-ms $(P99_MS) --input-data .triton/tune-$(TUNE_PROFILE).json $(TUNE_ARGS)
 
 unit: setup
 	$(BIN)/pytest $(PYTEST_ARGS) tests/unit

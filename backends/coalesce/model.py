@@ -8,6 +8,7 @@ Nothing else lives here: the core (package ``coalesce``) never imports
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,19 @@ def _triton_error(error: CoalesceError) -> Any:
     return pb_utils.TritonError(str(error), code)
 
 
+def _keep_forever(obj: Any) -> Any:
+    """Leak one reference so the object is never destroyed, not even at stub exit.
+
+    Triton 2.51 crashes (heap corruption, "malloc(): unaligned fastbin chunk") when a
+    model is reloaded and the old instance deletes a custom metric family that the new
+    instance has already registered under the same name (server issue #8663; the fix is
+    core#471, after 2.51). Never deleting our families and metrics avoids it; the cost is
+    a few bytes per metric per reload in the server.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    return obj
+
+
 class _TritonMetricFactory:
     """Creates each metric family once and hands out labelled handles (``coalesce.metrics.MetricFactory``)."""
 
@@ -40,16 +54,18 @@ class _TritonMetricFactory:
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
         if name not in self._families:
-            self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._families[name] = _keep_forever(family)
         return self._families[name]
 
     def counter(self, name: str, description: str, labels: Mapping[str, str]) -> Any:
-        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=dict(labels))
+        family = self._family(name, description, pb_utils.MetricFamily.COUNTER)
+        return _keep_forever(family.Metric(labels=dict(labels)))
 
     def histogram(self, name: str, description: str, labels: Mapping[str, str],
                   buckets: Sequence[float]) -> Any:
         family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)
-        return family.Metric(labels=dict(labels), buckets=[float(b) for b in buckets])
+        return _keep_forever(family.Metric(labels=dict(labels), buckets=[float(b) for b in buckets]))
 
 
 class TritonPythonModel:

@@ -54,3 +54,15 @@ def test_reload_with_config_override(scratch_model, http_client, grpc_client):
     assert int(after["dynamic_batching"]["max_queue_delay_microseconds"]) == 500
     assert after["parameters"]["max_batch_rows"]["string_value"] == "16"
     assert grpc_client.is_model_ready("retuned")
+    # Regression: with custom metrics, Triton 2.51 corrupted its heap when the old instance of a
+    # reloaded model deleted its metric families (server issue #8663). Serve after the reload.
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    for _ in range(3):
+        texts = np.array([[b"after reload"], [b"still serving"]], dtype=object)
+        item = grpcclient.InferInput("TEXT", [2, 1], "BYTES")
+        item.set_data_from_numpy(texts)
+        assert grpc_client.infer("retuned", [item]).as_numpy("EMBEDDING").shape == (2, 384)
+        http_client.load_model("retuned", config=json.dumps(config))
+    assert grpc_client.is_server_live() and grpc_client.is_model_ready("minilm")

@@ -1,7 +1,7 @@
 import pytest
 
+from coalesce.perfanalyzer import stats_delta
 from perf import report
-from perf.bench import stats_delta
 
 
 def point(system, profile, concurrency, tput, p99, protocol="grpc"):

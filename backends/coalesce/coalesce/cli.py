@@ -76,11 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     export.set_defaults(func=None)
     settings = sub.add_parser("settings", help="list the backend's config.pbtxt parameters")
     settings.set_defaults(func=_settings)
+    tune = sub.add_parser("tune", help="sweep batching settings with perf_analyzer and pick a config", add_help=False)
+    tune.set_defaults(func=None)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "export":
         from coalesce.export import main as export_main
 
         return export_main(argv[1:])
+    if argv and argv[0] == "tune":
+        from coalesce.tune import main as tune_main
+
+        return tune_main(argv[1:])
     args = parser.parse_args(argv)
     return int(args.func(args))
 
