@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                         for s in systems))
     total = len(profiles) * len(concurrencies) * len(protocols) * len(systems)
     ceilings: dict[str, dict[str, Any]] = {}
+    failures: list[dict[str, Any]] = []
     with TritonServer(options) as server:
         # The ceilings run in this process while the server idles, right beside the served
         # points they are compared with, so the machine's drift hits both alike.
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  args.request_count, workdir))
                         except perfanalyzer.PerfAnalyzerError as exc:
                             sys.stderr.write(f"bench: point {point} failed: {exc}\n")
+                            failures.append({**point, "error": str(exc)[-300:]})
                             continue
                         points.append(point)
                         sys.stderr.write(f"bench [{len(points)}/{total}] {system} {profile} {protocol} "
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": "make bench  # python -m perf.bench " + " ".join(argv or sys.argv[1:]),
            "workloads": f"{args.count} distinct texts per profile, seed {args.seed}; ceilings on the first "
                         f"{args.limit_texts}", "price_per_hour": args.price_per_hour,
-           "protocols": protocols, "points": points, "limits": ceilings}
+           "protocols": protocols, "points": points, "limits": ceilings, "failures": failures}
     run["plots"] = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in report.plot(run, args.out)]
     (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
     (args.out / f"{args.run}.md").write_text(report.markdown(run))

@@ -86,6 +86,11 @@ def markdown(run: Mapping[str, Any]) -> str:
                                          _fmt(p["p99_ms"], 1), _fmt(p["queue_ms"], 2), _fmt(p["compute_infer_ms"], 2),
                                          _fmt(p.get("avg_batch")),
                                          _fmt(cost_per_million(p["throughput_per_s"], price), 3)]) + " |")
+    failed = run.get("failures", [])
+    if failed:
+        lines += ["", "## Points perf_analyzer could not measure", ""]
+        lines += [f"- {f['system']} {f['profile']} {f['protocol']} N={f['concurrency']}: {f['error'][-160:]!r}"
+                  for f in failed]
     lines += ["", "Plots: " + ", ".join(f"`{Path(p).name}`" for p in run.get("plots", [])), ""]
     return "\n".join(lines)
 
