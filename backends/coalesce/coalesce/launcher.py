@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Final
 
@@ -307,14 +307,6 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def running_server(options: ServerOptions, echo: IO[str] | None = None) -> Iterator[TritonServer]:
-    """Start a server for the duration of a ``with`` block."""
-    server = TritonServer(options, echo=echo)
-    with server:
-        yield server
 
 
 def options_from_env(model_repository: Path, *, explicit: bool | None = None,
