@@ -8,7 +8,6 @@ their answers.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,14 +28,6 @@ from coalesce.tokenizer import TextTokenizer
 RequestInput = Sequence[bytes | str] | CoalesceError
 #: What the pipeline answers per request.
 RequestResult = np.ndarray | CoalesceError
-
-
-@dataclasses.dataclass(frozen=True)
-class ExecuteStats:
-    """What one ``embed`` call did, for logs and tests."""
-
-    rows: int
-    sub_batches: tuple[SubBatch, ...]
 
 
 class EmbeddingPipeline:
@@ -61,7 +52,6 @@ class EmbeddingPipeline:
         self.limits = PlanLimits(max_rows=settings.max_batch_rows, max_tokens=settings.max_batch_tokens,
                                  max_padding_ratio=settings.max_padding_ratio)
         self.cost_model = self._cost_model()
-        self.last_stats: ExecuteStats | None = None
 
     @classmethod
     def from_version_dir(cls, settings: Settings, version_dir: Path, *, version: str = "1",
@@ -123,8 +113,6 @@ class EmbeddingPipeline:
 
         if texts:
             self._compute(texts, spans, results)
-        else:
-            self.last_stats = ExecuteStats(rows=0, sub_batches=())
         final = [r if r is not None else CoalesceError("internal: request got no result") for r in results]
         metrics.request_failures.increment(sum(isinstance(r, CoalesceError) for r in final))
         return final
@@ -175,7 +163,6 @@ class EmbeddingPipeline:
             bad = np.flatnonzero(failed[lo:hi])
             results[index] = failures[lo + int(bad[0])] if bad.size else out[lo:hi]
         stage["scatter"].observe(time.perf_counter() - t3)
-        self.last_stats = ExecuteStats(rows=len(texts), sub_batches=tuple(plans))
 
     def _decode(self, rows: Sequence[bytes | str]) -> list[str]:
         if len(rows) == 0:
