@@ -1,11 +1,12 @@
-"""``make bench``: coalesce and the naive baseline served side by side, and the offline ceilings.
+"""``make bench``: coalesce, naive and pytriton served side by side, and the offline ceilings.
 
-One run, one server, one machine: both models load into the same tritonserver (explicit
-model control) and perf_analyzer sweeps concurrency over gRPC and HTTP with
-``count_windows`` measurement on the same seeded workloads; Triton's statistics API
-gives per-batch-size execution counts and queue/compute times. Then ``limit`` and
-``limit@N`` run in-process on the same texts. Results: ``perf/results/<run>.json``,
-``.md`` and PNG plots.
+One run, one machine: ``minilm`` (coalesce) and ``naive`` load into the same tritonserver
+(explicit model control), the PyTriton ``@batch`` baseline runs in its own (PyTriton
+starts one), and perf_analyzer sweeps concurrency over gRPC and HTTP with
+``count_windows`` measurement on the same seeded workloads, interleaving the systems at
+every point; Triton's statistics API gives per-batch-size execution counts and
+queue/compute times. ``limit`` and ``limit@N`` run in-process on the same texts beside
+them. Results: ``perf/results/<run>.json``, ``.md`` and PNG plots.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from coalesce import perfanalyzer
 from coalesce.launcher import ServerOptions, TritonServer, free_port
 from perf import limits, report, workloads
+from perf.baselines.pytriton.server import MODEL_NAME as PYTRITON_MODEL
+from perf.baselines.pytriton.server import BaselineServer
 
 ROOT = Path(__file__).resolve().parent.parent
 MINILM = ROOT / "model_repository" / "minilm"
@@ -33,7 +37,7 @@ def build_repository(dest: Path, systems: list[str]) -> Path:
     """A repository with the shipped minilm and the naive baseline, weights linked."""
     version = MINILM / "1"
     sources = {"coalesce": (MINILM, "minilm"), "naive": (NAIVE, "naive")}
-    for system in systems:
+    for system in (s for s in systems if s in sources):
         source, name = sources[system]
         (dest / name / "1").mkdir(parents=True)
         shutil.copy(source / "config.pbtxt", dest / name / "config.pbtxt")
@@ -44,7 +48,11 @@ def build_repository(dest: Path, systems: list[str]) -> Path:
     return dest
 
 
-def measure(server: TritonServer, model: str, protocol: str, input_data: Path, concurrency: int,
+SYSTEMS = ("coalesce", "naive", "pytriton")
+MODELS = {"coalesce": "minilm", "naive": "naive", "pytriton": PYTRITON_MODEL}
+
+
+def measure(server: TritonServer | BaselineServer, model: str, protocol: str, input_data: Path, concurrency: int,
             request_count: int, workdir: Path) -> dict[str, Any]:
     """One perf_analyzer point with Triton's statistics around it."""
     url = server.grpc_url if protocol == "grpc" else server.http_url
@@ -59,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", default="queries,documents")
     parser.add_argument("--concurrency", default="8,32,128")
     parser.add_argument("--protocols", default="grpc,http")
-    parser.add_argument("--systems", default="coalesce,naive")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {', '.join(SYSTEMS)}")
     parser.add_argument("--count", type=int, default=3000, help="distinct texts per workload")
     parser.add_argument("--limit-texts", type=int, default=1024, help="texts per offline ceiling run")
     parser.add_argument("--request-count", type=int, default=300, help="requests per measurement window")
@@ -72,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     protocols = args.protocols.split(",")
     systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="coalesce-bench-"))
     texts = {p: workloads.generate(p, args.count, args.seed) for p in profiles}
@@ -81,14 +92,22 @@ def main(argv: list[str] | None = None) -> int:
         inputs[profile].write_text(json.dumps(workloads.to_input_data(texts[profile]), ensure_ascii=False))
 
     points: list[dict[str, Any]] = []
-    options = ServerOptions(model_repository=build_repository(workdir / "repo", systems), host="127.0.0.1",
+    in_triton = [s for s in systems if s != "pytriton"]
+    options = ServerOptions(model_repository=build_repository(workdir / "repo", in_triton), host="127.0.0.1",
                             http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            model_control="explicit", load_models=tuple("minilm" if s == "coalesce" else s
-                                                                        for s in systems))
+                            model_control="explicit", load_models=tuple(MODELS[s] for s in in_triton))
     total = len(profiles) * len(concurrencies) * len(protocols) * len(systems)
     ceilings: dict[str, dict[str, Any]] = {}
     failures: list[dict[str, Any]] = []
-    with TritonServer(options) as server:
+    with ExitStack() as stack:
+        servers: dict[str, TritonServer | BaselineServer] = {}
+        if in_triton:
+            server = stack.enter_context(TritonServer(options))
+            servers.update(dict.fromkeys(in_triton, server))
+        if "pytriton" in systems:
+            servers["pytriton"] = stack.enter_context(BaselineServer(
+                MINILM / "1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                log_path=workdir / "pytriton.log"))
         # The ceilings run in this process while the server idles, right beside the served
         # points they are compared with, so the machine's drift hits both alike.
         pipeline = limits.make_pipeline(MINILM / "1")
@@ -99,12 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             for concurrency in concurrencies:
                 for protocol in protocols:
                     for system in systems:  # interleaved, so drift hits every system alike
-                        model = "minilm" if system == "coalesce" else system
                         point = {"system": system, "profile": profile, "protocol": protocol,
                                  "concurrency": concurrency}
                         try:
-                            point.update(measure(server, model, protocol, inputs[profile], concurrency,
-                                                 args.request_count, workdir))
+                            point.update(measure(servers[system], MODELS[system], protocol, inputs[profile],
+                                                 concurrency, args.request_count, workdir))
                         except perfanalyzer.PerfAnalyzerError as exc:
                             sys.stderr.write(f"bench: point {point} failed: {exc}\n")
                             failures.append({**point, "error": str(exc)[-300:]})

@@ -24,14 +24,19 @@ def find(points: Sequence[Point], **match: Any) -> Point | None:
     return None
 
 
+BASELINES = ("naive", "pytriton")
+
+
 def ratio_rows(points: Sequence[Point], limits: Mapping[str, Mapping[str, Any]],
                protocol: str) -> list[dict[str, Any]]:
-    """One row per (profile, concurrency): coalesce over naive, limit@N and limit, with p99s."""
+    """One row per (profile, concurrency): coalesce over each baseline, ``limit@N`` and ``limit``, with p99s.
+
+    A baseline with no point there gives ``None`` in its columns.
+    """
     rows = []
     for profile in sorted({p["profile"] for p in points}):
         for concurrency in sorted({p["concurrency"] for p in points if p["profile"] == profile}):
             ours = find(points, system="coalesce", profile=profile, concurrency=concurrency, protocol=protocol)
-            naive = find(points, system="naive", profile=profile, concurrency=concurrency, protocol=protocol)
             if ours is None:
                 continue
             ceiling = limits.get(profile, {})
@@ -39,12 +44,14 @@ def ratio_rows(points: Sequence[Point], limits: Mapping[str, Mapping[str, Any]],
             row = {
                 "profile": profile, "concurrency": concurrency, "protocol": protocol,
                 "coalesce_per_s": ours["throughput_per_s"], "coalesce_p99_ms": ours["p99_ms"],
-                "naive_per_s": naive["throughput_per_s"] if naive else None,
-                "naive_p99_ms": naive["p99_ms"] if naive else None,
-                "over_naive": ours["throughput_per_s"] / naive["throughput_per_s"] if naive else None,
                 "over_limit_at_n": ours["throughput_per_s"] / at_n if at_n else None,
                 "over_limit": ours["throughput_per_s"] / ceiling["limit"] if ceiling.get("limit") else None,
             }
+            for baseline in BASELINES:
+                theirs = find(points, system=baseline, profile=profile, concurrency=concurrency, protocol=protocol)
+                row[f"{baseline}_per_s"] = theirs["throughput_per_s"] if theirs else None
+                row[f"{baseline}_p99_ms"] = theirs["p99_ms"] if theirs else None
+                row[f"over_{baseline}"] = ours["throughput_per_s"] / theirs["throughput_per_s"] if theirs else None
             rows.append(row)
     return rows
 
@@ -64,13 +71,15 @@ def markdown(run: Mapping[str, Any]) -> str:
              f"- workloads: {run['workloads']}", f"- instance price: ${price}/hour", ""]
     for protocol in run["protocols"]:
         lines += [f"## Ratios ({protocol})", "",
-                  "| profile | N | coalesce/s | p99 ms | naive/s | naive p99 ms | x naive | x limit@N | x limit |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| profile | N | coalesce/s | p99 ms | naive/s | naive p99 ms | pytriton/s | pytriton p99 ms "
+                  "| x naive | x pytriton | x limit@N | x limit |", "|" + " --- |" * 12]
         for r in ratio_rows(run["points"], run["limits"], protocol):
-            lines.append("| " + " | ".join([r["profile"], str(r["concurrency"]), _fmt(r["coalesce_per_s"], 1),
-                                             _fmt(r["coalesce_p99_ms"], 1), _fmt(r["naive_per_s"], 1),
-                                             _fmt(r["naive_p99_ms"], 1), _fmt(r["over_naive"]),
-                                             _fmt(r["over_limit_at_n"]), _fmt(r["over_limit"])]) + " |")
+            cells = [r["profile"], str(r["concurrency"]), _fmt(r["coalesce_per_s"], 1), _fmt(r["coalesce_p99_ms"], 1)]
+            for baseline in BASELINES:
+                cells += [_fmt(r[f"{baseline}_per_s"], 1), _fmt(r[f"{baseline}_p99_ms"], 1)]
+            cells += [_fmt(r["over_naive"]), _fmt(r["over_pytriton"]), _fmt(r["over_limit_at_n"]),
+                      _fmt(r["over_limit"])]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Offline ceilings (texts/s)", "", "| profile | ceiling | texts/s |", "| --- | --- | --- |"]
     for profile, ceilings in sorted(run["limits"].items()):

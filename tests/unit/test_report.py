@@ -15,6 +15,7 @@ RUN = {
     "run": "t", "machine": "test", "command": "make bench", "workloads": "w", "price_per_hour": 3.6,
     "protocols": ["grpc"],
     "points": [point("coalesce", "queries", 8, 300.0, 20.0), point("naive", "queries", 8, 200.0, 30.0),
+               point("pytriton", "queries", 8, 150.0, 40.0),
                point("coalesce", "queries", 32, 400.0, 50.0)],
     "limits": {"queries": {"limit": 500.0, "limit_how": "sorted", "limit@8": 320.0, "limit@32": 420.0}},
 }
@@ -31,16 +32,19 @@ def test_ratio_rows():
     assert [(r["concurrency"]) for r in rows] == [8, 32]
     first = rows[0]
     assert first["over_naive"] == pytest.approx(1.5)
+    assert first["over_pytriton"] == pytest.approx(2.0)
+    assert first["pytriton_p99_ms"] == 40.0
     assert first["over_limit_at_n"] == pytest.approx(300 / 320)
     assert first["over_limit"] == pytest.approx(0.6)
-    assert rows[1]["over_naive"] is None  # no naive point at N=32
+    assert rows[1]["over_naive"] is None  # no baseline points at N=32
+    assert rows[1]["over_pytriton"] is None
 
 
 def test_markdown_and_plots(tmp_path):
     paths = report.plot(RUN, tmp_path)
     assert all(p.is_file() and p.stat().st_size > 1000 for p in paths)
     text = report.markdown({**RUN, "plots": [str(p) for p in paths]})
-    assert "| queries | 8 | 300.0 | 20.0 | 200.0 | 30.0 | 1.50 | 0.94 | 0.60 |" in text
+    assert "| queries | 8 | 300.0 | 20.0 | 200.0 | 30.0 | 150.0 | 40.0 | 1.50 | 2.00 | 0.94 | 0.60 |" in text
     assert "t-throughput.png" in text
 
 

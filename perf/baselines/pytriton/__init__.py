@@ -1,0 +1,1 @@
+"""Baseline ``pytriton``: the same ONNX model bound with PyTriton's ``@batch``."""
