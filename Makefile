@@ -4,11 +4,12 @@ BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
 BENCH_ARGS ?=
+LOAD_ARGS ?=
 P99_MS ?= 200
 TUNE_ARGS ?=
 TUNE_PROFILE ?= queries
 
-.PHONY: setup serve test unit integration lint lock clean bench tune
+.PHONY: setup serve test unit integration lint lock clean bench load tune
 
 setup:                 ## venv, pinned packages, OS packages, model export, Triton runtime (idempotent)
 	@bash scripts/setup.sh
@@ -23,6 +24,10 @@ test: setup            ## lint, then unit and integration tests (a real tritonse
 bench:                 ## perf_analyzer: coalesce vs naive side by side, offline ceilings; writes perf/results/
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.bench $(BENCH_ARGS)
+
+load:                  ## Locust, headless: steady/poisson/burst/ramp over gRPC and HTTP; writes perf/results/load-*
+	@bash scripts/setup.sh
+	$(BIN)/python -m perf.load $(LOAD_ARGS)
 
 tune:                  ## coalesce tune --p99-ms $(P99_MS) on a seeded workload; writes perf/results/tune-*
 	@bash scripts/setup.sh --bench
