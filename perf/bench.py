@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=3000, help="distinct texts per workload")
     parser.add_argument("--limit-texts", type=int, default=1024, help="texts per offline ceiling run")
     parser.add_argument("--request-count", type=int, default=300, help="requests per measurement window")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="every point and ceiling is measured once per round; the report gives medians")
     parser.add_argument("--price-per-hour", type=float, default=0.10, help="instance price, for $/M inferences")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("bench-%Y%m%dT%H%M%SZ"))
@@ -96,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     options = ServerOptions(model_repository=build_repository(workdir / "repo", in_triton), host="127.0.0.1",
                             http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             model_control="explicit", load_models=tuple(MODELS[s] for s in in_triton))
-    total = len(profiles) * len(concurrencies) * len(protocols) * len(systems)
-    ceilings: dict[str, dict[str, Any]] = {}
+    total = args.rounds * len(profiles) * len(concurrencies) * len(protocols) * len(systems)
+    ceilings: dict[str, dict[str, list[Any]]] = {}
     failures: list[dict[str, Any]] = []
     with ExitStack() as stack:
         servers: dict[str, TritonServer | BaselineServer] = {}
@@ -108,41 +110,49 @@ def main(argv: list[str] | None = None) -> int:
             servers["pytriton"] = stack.enter_context(BaselineServer(
                 MINILM / "1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                 log_path=workdir / "pytriton.log"))
-        # The ceilings run in this process while the server idles, right beside the served
-        # points they are compared with, so the machine's drift hits both alike.
+        # The ceilings run in this process while the servers idle, right beside the served
+        # points they are compared with, once per round, so the machine's drift hits both alike.
         pipeline = limits.make_pipeline(MINILM / "1")
-        for profile in profiles:
-            sample = texts[profile][:args.limit_texts]
-            first, how = limits.limit(pipeline, sample)
-            ceilings[profile] = {"limit_how": how}
-            for concurrency in concurrencies:
-                for protocol in protocols:
-                    for system in systems:  # interleaved, so drift hits every system alike
-                        point = {"system": system, "profile": profile, "protocol": protocol,
-                                 "concurrency": concurrency}
-                        try:
-                            point.update(measure(servers[system], MODELS[system], protocol, inputs[profile],
-                                                 concurrency, args.request_count, workdir))
-                        except perfanalyzer.PerfAnalyzerError as exc:
-                            sys.stderr.write(f"bench: point {point} failed: {exc}\n")
-                            failures.append({**point, "error": str(exc)[-300:]})
-                            continue
-                        points.append(point)
-                        sys.stderr.write(f"bench [{len(points)}/{total}] {system} {profile} {protocol} "
-                                         f"N={concurrency}: {point['throughput_per_s']:.1f}/s "
-                                         f"p99 {point['p99_ms']:.1f} ms, avg batch {point['avg_batch']:.1f}\n")
-                ceilings[profile][f"limit@{concurrency}"] = limits.limit_at(pipeline, sample, concurrency)
-            last, how_last = limits.limit(pipeline, sample)
-            # A ceiling is the best the machine did: the faster of the runs before and after.
-            ceilings[profile]["limit"] = max(first, last)
-            ceilings[profile]["limit_how"] = how if first >= last else how_last
-            sys.stderr.write(f"bench: ceilings {profile}: {ceilings[profile]}\n")
+        for round_index in range(args.rounds):
+            for profile in profiles:
+                sample = texts[profile][:args.limit_texts]
+                best, how = limits.limit(pipeline, sample)
+                ceiling = ceilings.setdefault(profile, {"limit": [], "limit_how": []})
+                ceiling["limit"].append(best)
+                ceiling["limit_how"].append(how)
+                for concurrency in concurrencies:
+                    for protocol in protocols:
+                        for system in systems:  # interleaved, so drift hits every system alike
+                            point = {"round": round_index, "system": system, "profile": profile,
+                                     "protocol": protocol, "concurrency": concurrency}
+                            try:
+                                point.update(measure(servers[system], MODELS[system], protocol, inputs[profile],
+                                                     concurrency, args.request_count, workdir))
+                            except perfanalyzer.PerfAnalyzerError as exc:
+                                sys.stderr.write(f"bench: point {point} failed: {exc}\n")
+                                failures.append({**point, "error": str(exc)[-300:]})
+                                continue
+                            if system == "coalesce" and point.get("avg_batch"):
+                                # The best any backend could do with the requests Triton handed it at once:
+                                # windows as large as the average batch it saw, at this moment.
+                                window = max(1, round(point["avg_batch"]))
+                                point["limit_at_batch_window"] = window
+                                point["limit_at_batch"] = limits.limit_at(pipeline, sample, window)
+                            points.append(point)
+                            sys.stderr.write(f"bench [{len(points) + len(failures)}/{total}] round {round_index} "
+                                             f"{system} {profile} {protocol} N={concurrency}: "
+                                             f"{point['throughput_per_s']:.1f}/s p99 {point['p99_ms']:.1f} ms, "
+                                             f"avg batch {point['avg_batch']:.1f}\n")
+                    ceiling.setdefault(f"limit@{concurrency}", []).append(
+                        limits.limit_at(pipeline, sample, concurrency))
+                sys.stderr.write(f"bench: round {round_index} ceilings {profile}: "
+                                 f"{ {k: v[-1] for k, v in ceiling.items()} }\n")
 
     run = {"run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": f"{os.cpu_count()} cores, no GPU, ONNX Runtime CPU",
            "command": "make bench  # python -m perf.bench " + " ".join(argv or sys.argv[1:]),
            "workloads": f"{args.count} distinct texts per profile, seed {args.seed}; ceilings on the first "
-                        f"{args.limit_texts}", "price_per_hour": args.price_per_hour,
+                        f"{args.limit_texts}", "rounds": args.rounds, "price_per_hour": args.price_per_hour,
            "protocols": protocols, "points": points, "limits": ceilings, "failures": failures}
     run["plots"] = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in report.plot(run, args.out)]
     (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")

@@ -27,31 +27,61 @@ def find(points: Sequence[Point], **match: Any) -> Point | None:
 BASELINES = ("naive", "pytriton")
 
 
+def rounds_of(value: Any) -> list[float]:
+    """A ceiling's per-round values (a single number counts as one round)."""
+    if isinstance(value, list):
+        return [float(v) for v in value]
+    return [float(value)] if isinstance(value, int | float) else []
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The median, or None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _by_round(points: Sequence[Point], **match: Any) -> dict[int, Point]:
+    return {int(p.get("round", 0)): p for p in points if all(p.get(k) == v for k, v in match.items())}
+
+
 def ratio_rows(points: Sequence[Point], limits: Mapping[str, Mapping[str, Any]],
                protocol: str) -> list[dict[str, Any]]:
     """One row per (profile, concurrency): coalesce over each baseline, ``limit@N`` and ``limit``, with p99s.
 
-    A baseline with no point there gives ``None`` in its columns.
+    Each system was measured once per round, its points next to each other, and the
+    ceilings once per round beside them. Throughputs and p99s are medians over rounds;
+    ratios are medians of the per-round ratios, so a machine that drifts between rounds
+    moves both sides of a ratio alike. A baseline with no point gives ``None``.
     """
     rows = []
     for profile in sorted({p["profile"] for p in points}):
         for concurrency in sorted({p["concurrency"] for p in points if p["profile"] == profile}):
-            ours = find(points, system="coalesce", profile=profile, concurrency=concurrency, protocol=protocol)
-            if ours is None:
+            ours = _by_round(points, system="coalesce", profile=profile, concurrency=concurrency, protocol=protocol)
+            if not ours:
                 continue
             ceiling = limits.get(profile, {})
-            at_n = ceiling.get(f"limit@{concurrency}")
-            row = {
-                "profile": profile, "concurrency": concurrency, "protocol": protocol,
-                "coalesce_per_s": ours["throughput_per_s"], "coalesce_p99_ms": ours["p99_ms"],
-                "over_limit_at_n": ours["throughput_per_s"] / at_n if at_n else None,
-                "over_limit": ours["throughput_per_s"] / ceiling["limit"] if ceiling.get("limit") else None,
+            row: dict[str, Any] = {
+                "profile": profile, "concurrency": concurrency, "protocol": protocol, "rounds": len(ours),
+                "coalesce_per_s": median([p["throughput_per_s"] for p in ours.values()]),
+                "coalesce_p99_ms": median([p["p99_ms"] for p in ours.values()]),
             }
+            row["over_limit_at_batch"] = median([p["throughput_per_s"] / p["limit_at_batch"] for p in ours.values()
+                                                 if p.get("limit_at_batch")])
+            row["batch"] = median([p["avg_batch"] for p in ours.values() if p.get("avg_batch")])
+            for name, key in (("over_limit_at_n", f"limit@{concurrency}"), ("over_limit", "limit")):
+                values = rounds_of(ceiling.get(key))
+                row[name] = median([ours[r]["throughput_per_s"] / v for r, v in enumerate(values)
+                                    if r in ours and v > 0])
             for baseline in BASELINES:
-                theirs = find(points, system=baseline, profile=profile, concurrency=concurrency, protocol=protocol)
-                row[f"{baseline}_per_s"] = theirs["throughput_per_s"] if theirs else None
-                row[f"{baseline}_p99_ms"] = theirs["p99_ms"] if theirs else None
-                row[f"over_{baseline}"] = ours["throughput_per_s"] / theirs["throughput_per_s"] if theirs else None
+                theirs = _by_round(points, system=baseline, profile=profile, concurrency=concurrency,
+                                   protocol=protocol)
+                row[f"{baseline}_per_s"] = median([p["throughput_per_s"] for p in theirs.values()])
+                row[f"{baseline}_p99_ms"] = median([p["p99_ms"] for p in theirs.values()])
+                row[f"over_{baseline}"] = median([ours[r]["throughput_per_s"] / theirs[r]["throughput_per_s"]
+                                                  for r in theirs if r in ours])
             rows.append(row)
     return rows
 
@@ -68,29 +98,42 @@ def markdown(run: Mapping[str, Any]) -> str:
     """The report as Markdown: setup, ratio table, all points, ceilings, cost."""
     price = run["price_per_hour"]
     lines = [f"# Bench run {run['run']}", "", f"- machine: {run['machine']}", f"- command: `{run['command']}`",
-             f"- workloads: {run['workloads']}", f"- instance price: ${price}/hour", ""]
+             f"- workloads: {run['workloads']}", f"- instance price: ${price}/hour",
+             f"- rounds: {run.get('rounds', 1)}: every system and ceiling measured once per round, side by side; "
+             "throughputs and p99s are medians over rounds, ratios are medians of the same-round ratios", ""]
+    notes = ["`x limit@batch`: coalesce over the in-process ceiling for windows as large as the average batch "
+             "Triton's dynamic batcher actually handed it (measured right after the point), i.e. how close the "
+             "backend gets to the best use of the requests it was given at once.", ""]
     for protocol in run["protocols"]:
-        lines += [f"## Ratios ({protocol})", "",
+        lines += [f"## Ratios ({protocol})", "", *notes,
                   "| profile | N | coalesce/s | p99 ms | naive/s | naive p99 ms | pytriton/s | pytriton p99 ms "
-                  "| x naive | x pytriton | x limit@N | x limit |", "|" + " --- |" * 12]
+                  "| x naive | x pytriton | x limit@N | x limit | avg batch | x limit@batch |", "|" + " --- |" * 14]
         for r in ratio_rows(run["points"], run["limits"], protocol):
             cells = [r["profile"], str(r["concurrency"]), _fmt(r["coalesce_per_s"], 1), _fmt(r["coalesce_p99_ms"], 1)]
             for baseline in BASELINES:
                 cells += [_fmt(r[f"{baseline}_per_s"], 1), _fmt(r[f"{baseline}_p99_ms"], 1)]
             cells += [_fmt(r["over_naive"]), _fmt(r["over_pytriton"]), _fmt(r["over_limit_at_n"]),
-                      _fmt(r["over_limit"])]
+                      _fmt(r["over_limit"]), _fmt(r["batch"], 1), _fmt(r["over_limit_at_batch"])]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## Offline ceilings (texts/s)", "", "| profile | ceiling | texts/s |", "| --- | --- | --- |"]
+    lines += ["## Offline ceilings (texts/s, median over rounds)", "", "| profile | ceiling | texts/s |",
+              "| --- | --- | --- |"]
     for profile, ceilings in sorted(run["limits"].items()):
         for name, value in ceilings.items():
-            if isinstance(value, float):
-                lines.append(f"| {profile} | {name} | {value:.1f} |")
+            if name == "limit_how":
+                hows = value if isinstance(value, list) else [value]
+                lines.append(f"| {profile} | limit reached by | {'; '.join(map(str, hows))} |")
+                continue
+            values = rounds_of(value)
+            if values:
+                each = ", ".join(f"{v:.1f}" for v in values)
+                lines.append(f"| {profile} | {name} | {median(values):.1f} (rounds: {each}) |")
     lines += ["", "## All points", "",
-              "| system | profile | protocol | N | texts/s | p50 ms | p95 ms | p99 ms | queue ms | infer ms | "
-              "avg batch | $/M inferences |", "|" + " --- |" * 12]
+              "| round | system | profile | protocol | N | texts/s | p50 ms | p95 ms | p99 ms | queue ms | infer ms | "
+              "avg batch | $/M inferences |", "|" + " --- |" * 13]
     for p in run["points"]:
-        lines.append("| " + " | ".join([p["system"], p["profile"], p["protocol"], str(p["concurrency"]),
+        lines.append("| " + " | ".join([str(p.get("round", 0)), p["system"], p["profile"], p["protocol"],
+                                         str(p["concurrency"]),
                                          _fmt(p["throughput_per_s"], 1), _fmt(p["p50_ms"], 1), _fmt(p["p95_ms"], 1),
                                          _fmt(p["p99_ms"], 1), _fmt(p["queue_ms"], 2), _fmt(p["compute_infer_ms"], 2),
                                          _fmt(p.get("avg_batch")),
@@ -111,56 +154,84 @@ def plot(run: Mapping[str, Any], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = run["points"]
+    points = summarize(run["points"])
     paths = []
     profiles = sorted({p["profile"] for p in points})
+    systems = [s for s in ("coalesce", *BASELINES) if any(p["system"] == s for p in points)]
     fig, axes = plt.subplots(1, len(profiles), figsize=(6 * len(profiles), 4.5), squeeze=False)
     for ax, profile in zip(axes[0], profiles, strict=True):
-        for system in sorted({p["system"] for p in points}):
+        for system in systems:
             for protocol in run["protocols"]:
                 series = sorted((p for p in points if p["system"] == system and p["profile"] == profile
                                  and p["protocol"] == protocol), key=lambda p: p["concurrency"])
                 if series:
                     ax.plot([p["p99_ms"] for p in series], [p["throughput_per_s"] for p in series], marker="o",
+                            linestyle="-" if protocol == run["protocols"][0] else ":",
                             label=f"{system} ({protocol})")
                     for p in series:
                         ax.annotate(str(p["concurrency"]), (p["p99_ms"], p["throughput_per_s"]), fontsize=7)
-        for name, value in run["limits"].get(profile, {}).items():
-            if name == "limit" and isinstance(value, float):
-                ax.axhline(value, linestyle="--", color="grey", label="limit (offline)")
-        ax.set_title(f"{profile}: throughput vs p99 (labels: concurrency)")
+        best = median(rounds_of(run["limits"].get(profile, {}).get("limit")))
+        if best is not None:
+            ax.axhline(best, linestyle="--", color="grey", label="limit (offline)")
+        ax.set_title(f"{profile}: throughput vs p99, medians (labels: concurrency)")
         ax.set_xlabel("p99 latency (ms)")
         ax.set_ylabel("texts/s")
+        ax.set_xscale("log")
         ax.legend(fontsize=7)
     paths.append(out_dir / f"{run['run']}-throughput.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    grpc_points = [p for p in points if p["protocol"] == run["protocols"][0]]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = [f"{p['system']}\n{p['profile'][:3]} N={p['concurrency']}" for p in grpc_points]
-    parts = ("queue_ms", "compute_input_ms", "compute_infer_ms", "compute_output_ms")
-    bottom = [0.0] * len(grpc_points)
-    for part in parts:
-        values = [p[part] for p in grpc_points]
-        axes[0].bar(range(len(grpc_points)), values, bottom=bottom, label=part.removesuffix("_ms"))
+    first = [p for p in points if p["protocol"] == run["protocols"][0]]
+    fig, axes = plt.subplots(1, 1 + len(systems), figsize=(6 + 4 * len(systems), 4.5), squeeze=False)
+    ax = axes[0][0]
+    labels = [f"{p['system']}\n{p['profile'][:3]} N={p['concurrency']}" for p in first]
+    bottom = [0.0] * len(first)
+    for part in ("queue_ms", "compute_input_ms", "compute_infer_ms", "compute_output_ms"):
+        values = [p[part] for p in first]
+        ax.bar(range(len(first)), values, bottom=bottom, label=part.removesuffix("_ms"))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    axes[0].set_xticks(range(len(grpc_points)), labels, fontsize=6, rotation=90)
-    axes[0].set_ylabel("ms per request (Triton statistics)")
-    axes[0].set_title("where time goes")
-    axes[0].legend(fontsize=7)
-    for p in grpc_points:
-        if p["system"] == "coalesce" and p.get("batch_sizes"):
-            sizes = sorted(int(k) for k in p["batch_sizes"])
-            axes[1].plot(sizes, [p["batch_sizes"][str(s)] for s in sizes], marker="o", linestyle="none",
-                         label=f"{p['profile']} N={p['concurrency']}")
-    axes[1].set_xlabel("batch size Triton handed the backend")
-    axes[1].set_ylabel("executions")
-    axes[1].set_title("coalesce: batch sizes")
-    axes[1].legend(fontsize=7)
+    ax.set_xticks(range(len(first)), labels, fontsize=6, rotation=90)
+    ax.set_ylabel("ms per request (Triton statistics)")
+    ax.set_title(f"where time goes ({run['protocols'][0]}, medians)")
+    ax.legend(fontsize=7)
+    for ax, system in zip(axes[0][1:], systems, strict=True):
+        for p in first:
+            if p["system"] == system and p.get("batch_sizes"):
+                sizes = sorted(int(k) for k in p["batch_sizes"])
+                ax.plot(sizes, [p["batch_sizes"][str(k)] for k in sizes], marker="o", linestyle="none",
+                        label=f"{p['profile']} N={p['concurrency']}")
+        ax.set_xlabel("batch size Triton handed the model")
+        ax.set_ylabel("executions (all rounds)")
+        ax.set_title(f"{system}: batch sizes")
+        ax.legend(fontsize=7)
     paths.append(out_dir / f"{run['run']}-breakdown.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def summarize(points: Sequence[Point]) -> list[dict[str, Any]]:
+    """One point per (system, profile, protocol, concurrency), merged over rounds.
+
+    Numeric fields become medians over the rounds; batch-size counts are summed.
+    """
+    groups: dict[tuple[Any, ...], list[Point]] = {}
+    for p in points:
+        groups.setdefault((p["system"], p["profile"], p["protocol"], p["concurrency"]), []).append(p)
+    out = []
+    for (system, profile, protocol, concurrency), members in groups.items():
+        merged: dict[str, Any] = {"system": system, "profile": profile, "protocol": protocol,
+                                  "concurrency": concurrency, "rounds": len(members)}
+        for key, value in members[0].items():
+            if isinstance(value, int | float) and key not in merged and key != "round":
+                merged[key] = median([float(m[key]) for m in members if isinstance(m.get(key), int | float)])
+        sizes: dict[str, int] = {}
+        for m in members:
+            for size, count in (m.get("batch_sizes") or {}).items():
+                sizes[size] = sizes.get(size, 0) + int(count)
+        merged["batch_sizes"] = sizes
+        out.append(merged)
+    return out

@@ -44,7 +44,7 @@ def test_markdown_and_plots(tmp_path):
     paths = report.plot(RUN, tmp_path)
     assert all(p.is_file() and p.stat().st_size > 1000 for p in paths)
     text = report.markdown({**RUN, "plots": [str(p) for p in paths]})
-    assert "| queries | 8 | 300.0 | 20.0 | 200.0 | 30.0 | 150.0 | 40.0 | 1.50 | 2.00 | 0.94 | 0.60 |" in text
+    assert "| queries | 8 | 300.0 | 20.0 | 200.0 | 30.0 | 150.0 | 40.0 | 1.50 | 2.00 | 0.94 | 0.60 | 4.0 | - |" in text
     assert "t-throughput.png" in text
 
 
@@ -60,3 +60,35 @@ def test_stats_delta():
     assert delta["batch_sizes"] == {"10": 3}
     assert delta["queue_ms"] == pytest.approx(2.0)
     assert delta["compute_infer_ms"] == pytest.approx(4.0)
+
+
+def test_ratios_are_medians_of_per_round_ratios():
+    # The machine halves its speed in round 1: absolute figures move, same-round ratios do not.
+    points = []
+    for rnd, speed in enumerate((1.0, 0.5, 1.0)):
+        for system, tput in (("coalesce", 300.0), ("naive", 200.0), ("pytriton", 100.0)):
+            extra = {"limit_at_batch": 320.0 * speed} if system == "coalesce" else {}
+            points.append({**point(system, "documents", 32, tput * speed, 40.0 / speed), "round": rnd, **extra})
+    limits = {"documents": {"limit@32": [330.0, 165.0, 330.0], "limit": [400.0, 200.0, 400.0]}}
+    (row,) = report.ratio_rows(points, limits, "grpc")
+    assert row["rounds"] == 3
+    assert row["over_naive"] == pytest.approx(1.5)
+    assert row["over_pytriton"] == pytest.approx(3.0)
+    assert row["over_limit_at_n"] == pytest.approx(300 / 330)
+    assert row["over_limit"] == pytest.approx(0.75)
+    assert row["over_limit_at_batch"] == pytest.approx(300 / 320)
+    assert row["batch"] == 4.0
+    assert row["coalesce_per_s"] == 300.0 and row["coalesce_p99_ms"] == 40.0
+
+
+def test_summarize_merges_rounds():
+    points = [{**point("coalesce", "queries", 8, t, 10.0), "round": r} for r, t in enumerate((100.0, 300.0, 200.0))]
+    (merged,) = report.summarize(points)
+    assert merged["throughput_per_s"] == 200.0 and merged["rounds"] == 3
+    assert merged["batch_sizes"] == {"1": 9, "4": 30}
+
+
+def test_median():
+    assert report.median([]) is None
+    assert report.median([3.0, 1.0, 2.0]) == 2.0
+    assert report.median([4.0, 1.0, 2.0, 3.0]) == 2.5

@@ -63,6 +63,8 @@ class Settings:
     intra_op_threads: int = _spec(0, "ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.",
                                   low=0, high=1024)
     inter_op_threads: int = _spec(1, "ONNX Runtime inter-op threads.", low=0, high=1024)
+    thread_spinning: bool = _spec(
+        True, "ONNX Runtime's intra-op threads spin-wait for work between operators and passes (its default).")
     max_text_bytes: int = _spec(
         1_048_576, "Largest accepted text in bytes; a larger one is rejected with INVALID_ARG.",
         low=1, high=1 << 30)

@@ -53,7 +53,8 @@ def create_runtime(settings: Settings, version_dir: Path) -> RuntimeChoice:
         from coalesce.runtime.onnx import OnnxRuntime
 
         runtime = OnnxRuntime(version_dir / settings.onnx_file, intra_op_threads=settings.intra_op_threads,
-                              inter_op_threads=settings.inter_op_threads)
+                              inter_op_threads=settings.inter_op_threads,
+                              thread_spinning=settings.thread_spinning)
         reason = ("runtime 'auto': ONNX Runtime on CPU (no GPU runtime is built in yet)"
                   if settings.runtime == "auto" else "runtime 'onnxruntime' asked for in config")
         return RuntimeChoice(runtime=runtime, reason=reason + f"; providers {runtime.providers}")

@@ -16,7 +16,8 @@ class OnnxRuntime:
 
     name = "onnxruntime"
 
-    def __init__(self, path: Path, *, intra_op_threads: int, inter_op_threads: int) -> None:
+    def __init__(self, path: Path, *, intra_op_threads: int, inter_op_threads: int,
+                 thread_spinning: bool = True) -> None:
         """Open the graph with the given thread counts (0 lets ONNX Runtime choose).
 
         Raises:
@@ -28,6 +29,8 @@ class OnnxRuntime:
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = inter_op_threads
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if thread_spinning else "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "1" if thread_spinning else "0")
         try:
             self._session = ort.InferenceSession(str(path), sess_options=options,
                                                  providers=["CPUExecutionProvider"])
