@@ -35,6 +35,7 @@ from locust.env import Environment
 
 from coalesce_client.client import EmbeddingClient
 from coalesce_client.errors import ClientError
+from coalesce_client.load import model_statistics
 from perf import workloads
 from perf.loadshapes import SHAPES, Shape
 
@@ -154,17 +155,8 @@ def _start(environment: Environment, **_: Any) -> None:
 
 def _triton_counts(options: Any) -> tuple[int, int]:
     """``(successful inferences, failed inferences)`` of the model, summed over versions."""
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(options.grpc_url)
-    try:
-        stats = client.get_inference_statistics(options.model, as_json=True)
-    finally:
-        client.close()
-    ok = sum(int(s.get("inference_count", 0)) for s in stats.get("model_stats", []))
-    failed = sum(int(s.get("inference_stats", {}).get("fail", {}).get("count", 0))
-                 for s in stats.get("model_stats", []))
-    return ok, failed
+    totals = model_statistics(options.grpc_url, options.model)
+    return totals["inference_count"], totals["failure_count"]
 
 
 @events.test_stop.add_listener

@@ -167,7 +167,7 @@ def plot(run: Mapping[str, Any], out_dir: Path) -> list[Path]:
                 if series:
                     ax.plot([p["p99_ms"] for p in series], [p["throughput_per_s"] for p in series], marker="o",
                             linestyle="-" if protocol == run["protocols"][0] else ":",
-                            label=f"{system} ({protocol})")
+                            color=f"C{systems.index(system)}", label=f"{system} ({protocol})")
                     for p in series:
                         ax.annotate(str(p["concurrency"]), (p["p99_ms"], p["throughput_per_s"]), fontsize=7)
         best = median(rounds_of(run["limits"].get(profile, {}).get("limit")))

@@ -55,8 +55,12 @@ def sample_texts(count: int, seed: int = 0) -> list[str]:
     return [f"{i} " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 16))) for i in range(count)]
 
 
-def model_counts(url: str, model: str) -> tuple[int, int]:
-    """``(inference_count, execution_count)`` of ``model`` from Triton's statistics over gRPC."""
+def model_statistics(url: str, model: str) -> dict[str, int]:
+    """Triton's cumulative counts for ``model`` over gRPC, summed over its versions.
+
+    Returns ``inference_count`` (rows that succeeded), ``execution_count`` (backend
+    ``execute`` calls) and ``failure_count`` (failed inference requests).
+    """
     import tritonclient.grpc as grpcclient
 
     from coalesce_client.client import translate_error
@@ -68,11 +72,18 @@ def model_counts(url: str, model: str) -> tuple[int, int]:
         raise translate_error(exc, model=model, url=url, timeout_s=None) from exc
     finally:
         client.close()
-    inference = execution = 0
+    totals = {"inference_count": 0, "execution_count": 0, "failure_count": 0}
     for entry in stats.get("model_stats", []):
-        inference += int(entry.get("inference_count", 0))
-        execution += int(entry.get("execution_count", 0))
-    return inference, execution
+        totals["inference_count"] += int(entry.get("inference_count", 0))
+        totals["execution_count"] += int(entry.get("execution_count", 0))
+        totals["failure_count"] += int(entry.get("inference_stats", {}).get("fail", {}).get("count", 0))
+    return totals
+
+
+def model_counts(url: str, model: str) -> tuple[int, int]:
+    """``(inference_count, execution_count)`` of ``model`` from Triton's statistics over gRPC."""
+    totals = model_statistics(url, model)
+    return totals["inference_count"], totals["execution_count"]
 
 
 def run_load(client: EmbeddingClient, *, stats_url: str, requests: int = 256, concurrency: int = 32,
