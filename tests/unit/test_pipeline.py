@@ -154,3 +154,28 @@ def test_real_onnx_runtime_matches_sentence_transformers(version_dir, reference_
     cosine = (got * want).sum(axis=1)
     assert cosine.min() >= 0.999, cosine
     assert VERSION_DIR.samefile(version_dir)
+
+
+def test_identical_rows_are_computed_once_and_fanned_out(tokenizer):
+    runtime = TableRuntime()
+    pipeline, factory = make(tokenizer, runtime)
+    requests = [enc(["same", "other", "same"]), enc(["same"]), enc(["third", "other"])]
+    results = pipeline.embed(requests)
+    # Three distinct texts went through the runtime, whatever the planner's cuts.
+    assert sum(rows for rows, _ in runtime.calls) == 3
+    assert factory.value("coalesce_deduplicated_rows_total") == 3
+    alone, _ = make(tokenizer)
+    for request, result in zip(requests, results, strict=True):
+        expected = alone.embed([[row] for row in request])
+        assert np.array_equal(result, np.concatenate(expected))
+    # A fanned-out row is a copy: changing one answer leaves the others alone.
+    results[0][0] += 1.0
+    assert np.array_equal(results[1][0], alone.embed([enc(["same"])])[0][0])
+
+
+def test_failed_pass_fails_every_request_that_shares_its_row(tokenizer):
+    pipeline, _ = make(tokenizer, TableRuntime(fail_when_padded_to=256))
+    long = "word " * 300
+    results = pipeline.embed([enc(["a", long]), enc(["b"]), enc([long])])
+    assert isinstance(results[0], CoalesceError) and isinstance(results[2], CoalesceError)
+    assert isinstance(results[1], np.ndarray)

@@ -65,6 +65,9 @@ class PipelineMetrics:
             "coalesce_request_failures_total", "Requests answered with an error", labels)
         self.rows = factory.counter("coalesce_rows_total", "Rows (texts) received", labels)
         self.executions = factory.counter("coalesce_executions_total", "execute() calls from Triton", labels)
+        self.deduplicated_rows = factory.counter(
+            "coalesce_deduplicated_rows_total",
+            "Rows answered from an identical row of the same execute() instead of being computed again", labels)
         self.forward_passes = factory.counter(
             "coalesce_forward_passes_total", "Forward passes run by the runtime", labels)
         self.real_tokens = factory.counter(

@@ -122,16 +122,22 @@ class EmbeddingPipeline:
         metrics = self.metrics
         stage = metrics.stage_seconds
         t0 = time.perf_counter()
-        encoded = self.tokenizer.encode(texts)
+        # In-flight de-duplication: identical rows of this execute (within or across requests)
+        # are tokenised and computed once, then fanned out to every place they came from.
+        first_index: dict[str, int] = {}
+        inverse = np.fromiter((first_index.setdefault(t, len(first_index)) for t in texts), dtype=np.intp,
+                              count=len(texts))
+        distinct = list(first_index)
+        metrics.deduplicated_rows.increment(len(texts) - len(distinct))
+        encoded = self.tokenizer.encode(distinct)
         t1 = time.perf_counter()
         stage["tokenize"].observe(t1 - t0)
         plans = self.plan(encoded.lengths)
         t2 = time.perf_counter()
         stage["plan"].observe(t2 - t1)
 
-        out = np.empty((len(texts), self.settings.embedding_dim), dtype=np.float32)
-        failed = np.zeros(len(texts), dtype=bool)
-        failures: dict[int, CoalesceError] = {}
+        computed = np.empty((len(distinct), self.settings.embedding_dim), dtype=np.float32)
+        failures: dict[int, CoalesceError] = {}  # distinct row -> the error of its pass
         infer_s = pool_s = 0.0
         for plan in plans:
             input_ids, mask, type_ids = encoded.padded(plan.rows, plan.padded_length)
@@ -141,13 +147,12 @@ class EmbeddingPipeline:
             except CoalesceError as exc:
                 # Only the requests with rows in this pass fail; the other passes go on.
                 self.logger.error(f"forward pass of {len(plan.rows)} rows failed: {exc}")
-                failed[plan.rows] = True
                 for row in plan.rows:
                     failures[int(row)] = exc
                 infer_s += time.perf_counter() - ta
                 continue
             tb = time.perf_counter()
-            out[plan.rows] = pool(hidden, mask, mode=self.settings.pooling, normalize=self.settings.normalize)
+            computed[plan.rows] = pool(hidden, mask, mode=self.settings.pooling, normalize=self.settings.normalize)
             infer_s += tb - ta
             pool_s += time.perf_counter() - tb
             metrics.forward_passes.increment(1)
@@ -159,9 +164,10 @@ class EmbeddingPipeline:
         stage["pool"].observe(pool_s)
 
         t3 = time.perf_counter()
+        out = computed[inverse]
         for index, lo, hi in spans:
-            bad = np.flatnonzero(failed[lo:hi])
-            results[index] = failures[lo + int(bad[0])] if bad.size else out[lo:hi]
+            bad = [int(d) for d in inverse[lo:hi] if int(d) in failures] if failures else []
+            results[index] = failures[bad[0]] if bad else out[lo:hi]
         stage["scatter"].observe(time.perf_counter() - t3)
 
     def _decode(self, rows: Sequence[bytes | str]) -> list[str]:
