@@ -62,6 +62,10 @@ class _TritonMetricFactory:
         family = self._family(name, description, pb_utils.MetricFamily.COUNTER)
         return _keep_forever(family.Metric(labels=dict(labels)))
 
+    def gauge(self, name: str, description: str, labels: Mapping[str, str]) -> Any:
+        family = self._family(name, description, pb_utils.MetricFamily.GAUGE)
+        return _keep_forever(family.Metric(labels=dict(labels)))
+
     def histogram(self, name: str, description: str, labels: Mapping[str, str],
                   buckets: Sequence[float]) -> Any:
         family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coalesce.cache import RowCache
 from coalesce.errors import CoalesceError, InvalidInputError, RuntimeFailure
 from coalesce.metrics import InMemoryMetricFactory, PipelineMetrics
 from coalesce.pipeline import EmbeddingPipeline
@@ -41,14 +42,15 @@ def tokenizer(version_dir):
     return TextTokenizer(version_dir / "tokenizer.json", 256)
 
 
-def make(tokenizer, runtime=None, **params):
+def make(tokenizer, runtime=None, cache=None, **params):
     # A fixed, CPU-like cost model (1 ms a pass, 0.1 ms a token) keeps plans deterministic.
     params.setdefault("cost_model", "0.001,0.0001,0")
     settings = Settings.from_parameters({k: str(v) for k, v in params.items()}, model_name="m",
                                         max_batch_size=64, embedding_dim=DIM)
     factory = InMemoryMetricFactory()
     pipeline = EmbeddingPipeline(settings, runtime or TableRuntime(), tokenizer,
-                                 PipelineMetrics(factory, model="m", version="1"))
+                                 PipelineMetrics(factory, model="m", version="1"), cache=cache,
+                                 fingerprint=b"f" * 32 if cache is not None else b"")
     return pipeline, factory
 
 
@@ -179,3 +181,75 @@ def test_failed_pass_fails_every_request_that_shares_its_row(tokenizer):
     results = pipeline.embed([enc(["a", long]), enc(["b"]), enc([long])])
     assert isinstance(results[0], CoalesceError) and isinstance(results[2], CoalesceError)
     assert isinstance(results[1], np.ndarray)
+
+
+def rows_computed(runtime):
+    return sum(rows for rows, _ in runtime.calls)
+
+
+def test_cached_rows_are_bit_identical_and_not_recomputed(tokenizer):
+    runtime = TableRuntime()
+    pipeline, factory = make(tokenizer, runtime, cache=RowCache(1 << 20))
+    requests = [enc(["alpha", "beta"]), enc(["gamma " * 40])]
+    first = pipeline.embed(requests)
+    assert rows_computed(runtime) == 3
+    second = pipeline.embed(requests)
+    assert rows_computed(runtime) == 3  # nothing ran again
+    for a, b in zip(first, second, strict=True):
+        assert a.tobytes() == b.tobytes()
+    assert factory.value("coalesce_cache_hits_total") == 3 and factory.value("coalesce_cache_misses_total") == 3
+    assert factory.value("coalesce_cache_resident_bytes") == pipeline.cache.resident_bytes > 0
+
+
+def test_partial_hits_compute_only_the_misses_and_scatter_in_order(tokenizer):
+    runtime = TableRuntime()
+    pipeline, _ = make(tokenizer, runtime, cache=RowCache(1 << 20))
+    pipeline.embed([enc(["a", "b"])])
+    runtime.calls.clear()
+    requests = [enc(["x", "a"]), enc(["b", "y", "a"]), enc(["b"])]
+    results = pipeline.embed(requests)
+    assert rows_computed(runtime) == 2  # only "x" and "y" were planned and run
+    fresh, _ = make(tokenizer)
+    for request, result in zip(requests, results, strict=True):
+        assert np.array_equal(result, np.concatenate(fresh.embed([[row] for row in request])))
+
+
+def test_failed_rows_are_not_cached(tokenizer):
+    runtime = TableRuntime(fail_when_padded_to=256)
+    pipeline, _ = make(tokenizer, runtime, cache=RowCache(1 << 20))
+    long = "word " * 300
+    assert isinstance(pipeline.embed([enc([long])])[0], CoalesceError)
+    runtime.fail_when_padded_to = None
+    runtime.calls.clear()
+    assert isinstance(pipeline.embed([enc([long])])[0], np.ndarray)
+    assert rows_computed(runtime) == 1
+
+
+def test_small_cache_evicts_and_counts(tokenizer):
+    one = RowCache.entry_bytes(np.zeros(DIM, dtype=np.float32))
+    pipeline, factory = make(tokenizer, cache=RowCache(2 * one))
+    pipeline.embed([enc(["one", "two", "three", "four"])])
+    assert factory.value("coalesce_cache_evictions_total") == 2
+    assert factory.value("coalesce_cache_resident_bytes") == 2 * one
+
+
+def test_cache_needs_a_fingerprint(tokenizer):
+    settings = Settings.from_parameters({"cost_model": "0.001,0.0001,0"}, model_name="m", max_batch_size=64,
+                                        embedding_dim=DIM)
+    with pytest.raises(ValueError, match="needs the output fingerprint"):
+        EmbeddingPipeline(settings, TableRuntime(), tokenizer, PipelineMetrics(InMemoryMetricFactory(), model="m",
+                                                                               version="1"), cache=RowCache(1024))
+
+
+def test_fingerprint_follows_version_and_output_settings(version_dir):
+    def fingerprint(version="1", **params):
+        params = {"cost_model": "0.001,0.0001,0", "cache_bytes": "1048576", **params}
+        settings = Settings.from_parameters(params, model_name="m", max_batch_size=64, embedding_dim=DIM)
+        return EmbeddingPipeline.from_version_dir(settings, version_dir, version=version).fingerprint
+
+    base = fingerprint()
+    assert base == fingerprint() and len(base) == 32
+    assert len({base, fingerprint(version="2"), fingerprint(max_sequence_length="128"),
+                fingerprint(pooling="cls"), fingerprint(normalize="false")}) == 5
+    # Settings that change only speed keep the key, so a retuned config keeps its cache.
+    assert fingerprint(max_batch_rows="16", planner="greedy") == base

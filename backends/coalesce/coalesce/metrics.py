@@ -33,6 +33,14 @@ class Counter(Protocol):
         ...
 
 
+class Gauge(Protocol):
+    """A value that goes up and down."""
+
+    def set(self, value: float) -> None:
+        """Set the current value."""
+        ...
+
+
 class Histogram(Protocol):
     """A distribution of observed values."""
 
@@ -46,6 +54,10 @@ class MetricFactory(Protocol):
 
     def counter(self, name: str, description: str, labels: Mapping[str, str]) -> Counter:
         """A counter handle of family ``name`` with the given labels."""
+        ...
+
+    def gauge(self, name: str, description: str, labels: Mapping[str, str]) -> Gauge:
+        """A gauge handle of family ``name`` with the given labels."""
         ...
 
     def histogram(self, name: str, description: str, labels: Mapping[str, str],
@@ -70,6 +82,13 @@ class PipelineMetrics:
             "Rows answered from an identical row of the same execute() instead of being computed again", labels)
         self.forward_passes = factory.counter(
             "coalesce_forward_passes_total", "Forward passes run by the runtime", labels)
+        self.cache_hits = factory.counter("coalesce_cache_hits_total", "Rows answered from the row cache", labels)
+        self.cache_misses = factory.counter(
+            "coalesce_cache_misses_total", "Rows looked up in the row cache and not found", labels)
+        self.cache_evictions = factory.counter(
+            "coalesce_cache_evictions_total", "Rows evicted from the row cache to stay under cache_bytes", labels)
+        self.cache_resident_bytes = factory.gauge(
+            "coalesce_cache_resident_bytes", "Bytes the row cache holds (the count cache_bytes bounds)", labels)
         self.real_tokens = factory.counter(
             "coalesce_real_tokens_total", "Tokens of real text sent through forward passes", labels)
         self.padded_tokens = factory.counter(
@@ -96,6 +115,14 @@ class _MemoryCounter:
 
 
 @dataclasses.dataclass
+class _MemoryGauge:
+    value: float = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+@dataclasses.dataclass
 class _MemoryHistogram:
     buckets: tuple[float, ...]
     observations: list[float] = dataclasses.field(default_factory=list)
@@ -113,10 +140,15 @@ class InMemoryMetricFactory:
         """Start with no metrics."""
         self.counters: dict[tuple[str, tuple[tuple[str, str], ...]], _MemoryCounter] = {}
         self.histograms: dict[tuple[str, tuple[tuple[str, str], ...]], _MemoryHistogram] = {}
+        self.gauges: dict[tuple[str, tuple[tuple[str, str], ...]], _MemoryGauge] = {}
 
     def counter(self, name: str, description: str, labels: Mapping[str, str]) -> Counter:
         """A counter kept in memory."""
         return self.counters.setdefault((name, tuple(sorted(labels.items()))), _MemoryCounter())
+
+    def gauge(self, name: str, description: str, labels: Mapping[str, str]) -> Gauge:
+        """A gauge kept in memory."""
+        return self.gauges.setdefault((name, tuple(sorted(labels.items()))), _MemoryGauge())
 
     def histogram(self, name: str, description: str, labels: Mapping[str, str],
                   buckets: Sequence[float]) -> Histogram:
@@ -125,9 +157,11 @@ class InMemoryMetricFactory:
         return self.histograms.setdefault(key, _MemoryHistogram(tuple(buckets)))
 
     def value(self, name: str, **labels: str) -> float:
-        """Sum of counter ``name`` over label sets that include ``labels``."""
-        return sum(c.value for (n, ls), c in self.counters.items()
-                   if n == name and set(labels.items()) <= set(ls))
+        """Sum of counter or gauge ``name`` over label sets that include ``labels``."""
+        handles: list[_MemoryCounter | _MemoryGauge] = [
+            *(c for (n, ls), c in self.counters.items() if n == name and set(labels.items()) <= set(ls)),
+            *(g for (n, ls), g in self.gauges.items() if n == name and set(labels.items()) <= set(ls))]
+        return sum(h.value for h in handles)
 
     def observations(self, name: str, **labels: str) -> list[float]:
         """All observations of histogram ``name`` over label sets that include ``labels``."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coalesce.cache import RowCache, file_digest, output_fingerprint, row_key
 from coalesce.coalescer import PlanLimits, SubBatch, plan_sub_batches, plan_sub_batches_dp
 from coalesce.costmodel import CostModel, calibrate
 from coalesce.errors import CoalesceError, ConfigError, InvalidInputError
@@ -34,8 +35,13 @@ class EmbeddingPipeline:
     """Coalesces the rows of many requests into few, tightly padded forward passes."""
 
     def __init__(self, settings: Settings, runtime: Runtime, tokenizer: TextTokenizer,
-                 metrics: PipelineMetrics, logger: Logger | None = None) -> None:
+                 metrics: PipelineMetrics, logger: Logger | None = None, *,
+                 cache: RowCache | None = None, fingerprint: bytes = b"") -> None:
         """Wire the pipeline; use ``from_version_dir`` to build one from files.
+
+        ``cache`` (with the ``fingerprint`` of everything that decides the output, see
+        ``coalesce.cache.output_fingerprint``) answers rows computed before; without it
+        every row is computed.
 
         Raises:
             ConfigError: If the runtime's hidden width disagrees with the configured output dims.
@@ -52,6 +58,11 @@ class EmbeddingPipeline:
         self.limits = PlanLimits(max_rows=settings.max_batch_rows, max_tokens=settings.max_batch_tokens,
                                  max_padding_ratio=settings.max_padding_ratio)
         self.cost_model = self._cost_model()
+        if cache is not None and cache.enabled and len(fingerprint) < 16:
+            raise ValueError("a row cache needs the output fingerprint its keys are made under")
+        self.cache = cache if cache is not None and cache.enabled else None
+        self.fingerprint = fingerprint
+        self._evictions_seen = 0
 
     @classmethod
     def from_version_dir(cls, settings: Settings, version_dir: Path, *, version: str = "1",
@@ -64,7 +75,20 @@ class EmbeddingPipeline:
         logger.info(choice.reason)
         metrics = PipelineMetrics(metric_factory or InMemoryMetricFactory(), model=settings.model_name,
                                   version=version)
-        return cls(settings, choice.runtime, tokenizer, metrics, logger)
+        if settings.cache_bytes == 0:
+            return cls(settings, choice.runtime, tokenizer, metrics, logger)
+        start = time.perf_counter()
+        fingerprint = output_fingerprint({
+            "model": settings.model_name, "version": version,
+            "weights_sha256": file_digest(version_dir / settings.onnx_file),
+            "tokenizer_sha256": file_digest(version_dir / settings.tokenizer_file),
+            "max_sequence_length": settings.max_sequence_length, "pooling": settings.pooling,
+            "normalize": settings.normalize, "runtime": choice.runtime.name, "precision": "fp32",
+        })
+        logger.info(f"row cache: {settings.cache_bytes} bytes, ttl {settings.cache_ttl_s or 'none'} s; output "
+                    f"fingerprint {fingerprint.hex()[:16]} (weights hashed in {time.perf_counter() - start:.2f} s)")
+        return cls(settings, choice.runtime, tokenizer, metrics, logger,
+                   cache=RowCache(settings.cache_bytes, ttl_s=settings.cache_ttl_s), fingerprint=fingerprint)
 
     def _cost_model(self) -> CostModel:
         if self.settings.cost_model != "auto":
@@ -129,17 +153,21 @@ class EmbeddingPipeline:
                               count=len(texts))
         distinct = list(first_index)
         metrics.deduplicated_rows.increment(len(texts) - len(distinct))
-        encoded = self.tokenizer.encode(distinct)
+        computed = np.empty((len(distinct), self.settings.embedding_dim), dtype=np.float32)
+        todo, keys = self._answer_from_cache(distinct, computed)  # rows of `distinct` still to compute
+        failures: dict[int, CoalesceError] = {}  # distinct row -> the error of its pass
+        encoded = self.tokenizer.encode([distinct[i] for i in todo]) if len(todo) else None
         t1 = time.perf_counter()
         stage["tokenize"].observe(t1 - t0)
-        plans = self.plan(encoded.lengths)
+        # The coalescer plans over the misses alone.
+        plans = self.plan(encoded.lengths) if encoded is not None else []
         t2 = time.perf_counter()
         stage["plan"].observe(t2 - t1)
 
-        computed = np.empty((len(distinct), self.settings.embedding_dim), dtype=np.float32)
-        failures: dict[int, CoalesceError] = {}  # distinct row -> the error of its pass
         infer_s = pool_s = 0.0
+        done = np.zeros(len(todo), dtype=bool)
         for plan in plans:
+            assert encoded is not None
             input_ids, mask, type_ids = encoded.padded(plan.rows, plan.padded_length)
             ta = time.perf_counter()
             try:
@@ -148,11 +176,13 @@ class EmbeddingPipeline:
                 # Only the requests with rows in this pass fail; the other passes go on.
                 self.logger.error(f"forward pass of {len(plan.rows)} rows failed: {exc}")
                 for row in plan.rows:
-                    failures[int(row)] = exc
+                    failures[int(todo[row])] = exc
                 infer_s += time.perf_counter() - ta
                 continue
             tb = time.perf_counter()
-            computed[plan.rows] = pool(hidden, mask, mode=self.settings.pooling, normalize=self.settings.normalize)
+            computed[todo[plan.rows]] = pool(hidden, mask, mode=self.settings.pooling,
+                                             normalize=self.settings.normalize)
+            done[plan.rows] = True
             infer_s += tb - ta
             pool_s += time.perf_counter() - tb
             metrics.forward_passes.increment(1)
@@ -162,6 +192,10 @@ class EmbeddingPipeline:
             metrics.batch_rows.observe(len(plan.rows))
         stage["infer"].observe(infer_s)
         stage["pool"].observe(pool_s)
+        if self.cache is not None and done.any():
+            stored = todo[done]
+            self.cache.put_many([keys[i] for i in stored], computed[stored])
+            self._record_cache_state()
 
         t3 = time.perf_counter()
         out = computed[inverse]
@@ -169,6 +203,27 @@ class EmbeddingPipeline:
             bad = [int(d) for d in inverse[lo:hi] if int(d) in failures] if failures else []
             results[index] = failures[bad[0]] if bad else out[lo:hi]
         stage["scatter"].observe(time.perf_counter() - t3)
+
+    def _answer_from_cache(self, distinct: list[str], computed: np.ndarray) -> tuple[np.ndarray, list[bytes]]:
+        """Fill ``computed`` with the cached rows; return the indices of the rows still to compute, and the keys."""
+        if self.cache is None:
+            return np.arange(len(distinct)), []
+        keys = [row_key(self.fingerprint, text) for text in distinct]
+        found = self.cache.get_many(keys)
+        missing = [i for i, vector in enumerate(found) if vector is None]
+        for i, vector in enumerate(found):
+            if vector is not None:
+                computed[i] = vector
+        self.metrics.cache_hits.increment(len(distinct) - len(missing))
+        self.metrics.cache_misses.increment(len(missing))
+        return np.array(missing, dtype=np.intp), keys
+
+    def _record_cache_state(self) -> None:
+        assert self.cache is not None
+        evictions = self.cache.stats.evictions
+        self.metrics.cache_evictions.increment(evictions - self._evictions_seen)
+        self._evictions_seen = evictions
+        self.metrics.cache_resident_bytes.set(self.cache.resident_bytes)
 
     def _decode(self, rows: Sequence[bytes | str]) -> list[str]:
         if len(rows) == 0:

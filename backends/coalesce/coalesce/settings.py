@@ -68,6 +68,10 @@ class Settings:
     max_text_bytes: int = _spec(
         1_048_576, "Largest accepted text in bytes; a larger one is rejected with INVALID_ARG.",
         low=1, high=1 << 30)
+    cache_bytes: int = _spec(
+        0, "Bytes of the in-process row cache (vectors, keys and bookkeeping; LRU eviction); 0 disables it.",
+        low=0, high=1 << 40)
+    cache_ttl_s: float = _spec(0.0, "Seconds a cached row stays valid; 0: until evicted.", low=0.0, high=1e9)
     pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls`.",
                          choices=POOLING_CHOICES)
     normalize: bool = _spec(True, "L2-normalise each embedding.")
