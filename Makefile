@@ -14,7 +14,7 @@ TUNE_PROFILE ?= queries
 setup:                 ## venv, pinned packages, OS packages, model export, Triton runtime (idempotent)
 	@bash scripts/setup.sh
 
-serve: setup           ## start Triton on model_repository/ (HTTP_PORT, GRPC_PORT, METRICS_PORT, MODEL_CONTROL)
+serve: setup           ## start Triton on model_repository/ (HTTP_PORT, GRPC_PORT, METRICS_PORT, MODEL_CONTROL, RESPONSE_CACHE_BYTES)
 	$(BIN)/coalesce serve --model-repository model_repository
 
 test: setup            ## lint, then unit and integration tests (a real tritonserver)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from coalesce.launcher import LaunchError, assemble_backend_dir, find_triton, options_from_env
+from coalesce.launcher import LaunchError, TritonServer, assemble_backend_dir, find_triton, options_from_env
 from coalesce_client import (
     InvalidInputError,
     ModelNotFoundError,
@@ -24,20 +24,27 @@ def test_options_from_env(monkeypatch):
     assert (options.http_port, options.grpc_port, options.metrics_port) == (9000, 9001, 9002)
     assert options.model_control == "explicit"
     assert options.load_models == ("*",)
+    monkeypatch.setenv("RESPONSE_CACHE_BYTES", "1048576")
+    options = options_from_env(Path("repo"))
+    assert options.response_cache_bytes == 1048576
+    assert "--cache-config=local,size=1048576" in TritonServer(options, install=find_triton()).command()
 
 
 def test_options_defaults(monkeypatch):
-    for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "MODEL_CONTROL"):
+    for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "MODEL_CONTROL", "RESPONSE_CACHE_BYTES"):
         monkeypatch.delenv(name, raising=False)
     options = options_from_env(Path("repo"))
     assert (options.http_port, options.grpc_port, options.metrics_port) == (8000, 8001, 8002)
     assert options.model_control == "none"
+    assert options.response_cache_bytes == 0
+    assert not any(a.startswith("--cache-config") for a in TritonServer(options, install=find_triton()).command())
 
 
 @pytest.mark.parametrize(("name", "value", "fragment"), [
     ("HTTP_PORT", "http", "HTTP_PORT='http' is not a port number"),
     ("GRPC_PORT", "70000", "outside 1..65535"),
     ("MODEL_CONTROL", "sometimes", "expected none, explicit or poll"),
+    ("RESPONSE_CACHE_BYTES", "1GB", "expected a number of bytes"),
 ])
 def test_bad_env_is_named(monkeypatch, name, value, fragment):
     monkeypatch.setenv(name, value)

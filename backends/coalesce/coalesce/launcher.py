@@ -135,6 +135,9 @@ class ServerOptions:
     model_control: str = "none"
     load_models: tuple[str, ...] = ()
     log_verbose: int = 0
+    #: Bytes of Triton's own response cache (``--cache-config=local,size=...``); 0 leaves it off.
+    #: Models opt in with ``response_cache { enable: true }``.
+    response_cache_bytes: int = 0
     extra_args: tuple[str, ...] = ()
     ready_timeout_s: float = 180.0
 
@@ -191,6 +194,8 @@ class TritonServer:
         ]
         if self.install.cache_dir is not None:
             args.append(f"--cache-directory={self.install.cache_dir}")
+        if o.response_cache_bytes > 0:
+            args.append(f"--cache-config=local,size={o.response_cache_bytes}")
         args += [f"--load-model={name}" for name in o.load_models]
         return args + list(o.extra_args)
 
@@ -311,7 +316,7 @@ class TritonServer:
 
 def options_from_env(model_repository: Path, *, explicit: bool | None = None,
                      load_models: Sequence[str] = ()) -> ServerOptions:
-    """Options from ``HTTP_PORT``, ``GRPC_PORT``, ``METRICS_PORT`` and ``MODEL_CONTROL``.
+    """Options from ``HTTP_PORT``, ``GRPC_PORT``, ``METRICS_PORT``, ``MODEL_CONTROL`` and ``RESPONSE_CACHE_BYTES``.
 
     Raises:
         LaunchError: On a port or mode that is not valid.
@@ -334,6 +339,9 @@ def options_from_env(model_repository: Path, *, explicit: bool | None = None,
     loads = tuple(load_models)
     if mode == "explicit" and not loads:
         loads = ("*",)  # explicit control still serves the whole repository at start
+    raw_cache = os.environ.get("RESPONSE_CACHE_BYTES", "0")
+    if not raw_cache.isdigit():
+        raise LaunchError(f"RESPONSE_CACHE_BYTES={raw_cache!r}: expected a number of bytes (0 leaves it off)")
     return ServerOptions(model_repository=model_repository, http_port=port("HTTP_PORT", 8000),
                          grpc_port=port("GRPC_PORT", 8001), metrics_port=port("METRICS_PORT", 8002),
-                         model_control=mode, load_models=loads)
+                         model_control=mode, load_models=loads, response_cache_bytes=int(raw_cache))
