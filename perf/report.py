@@ -86,6 +86,25 @@ def ratio_rows(points: Sequence[Point], limits: Mapping[str, Mapping[str, Any]],
     return rows
 
 
+def cache_rows(points: Sequence[Point], protocol: str) -> list[dict[str, Any]]:
+    """One row per (profile, concurrency) where both ran: the cached variant over plain coalesce, same rounds."""
+    rows = []
+    for profile in sorted({p["profile"] for p in points}):
+        for concurrency in sorted({p["concurrency"] for p in points if p["profile"] == profile}):
+            plain = _by_round(points, system="coalesce", profile=profile, concurrency=concurrency, protocol=protocol)
+            cached = _by_round(points, system="cached", profile=profile, concurrency=concurrency, protocol=protocol)
+            shared = sorted(set(plain) & set(cached))
+            if not shared:
+                continue
+            rows.append({"profile": profile, "concurrency": concurrency, "protocol": protocol,
+                         "coalesce_per_s": median([plain[r]["throughput_per_s"] for r in shared]),
+                         "cached_per_s": median([cached[r]["throughput_per_s"] for r in shared]),
+                         "cached_p99_ms": median([cached[r]["p99_ms"] for r in shared]),
+                         "cached_over_coalesce": median([cached[r]["throughput_per_s"] / plain[r]["throughput_per_s"]
+                                                         for r in shared])})
+    return rows
+
+
 def _fmt(value: Any, digits: int = 2) -> str:
     if value is None:
         return "-"
@@ -116,6 +135,15 @@ def markdown(run: Mapping[str, Any]) -> str:
                       _fmt(r["over_limit"]), _fmt(r["batch"], 1), _fmt(r["over_limit_at_batch"])]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    for protocol in run["protocols"]:
+        cached = cache_rows(run["points"], protocol)
+        if cached:
+            lines += [f"## Row cache ({protocol}): `cached` (minilm with cache_bytes 256 MiB) over plain coalesce", "",
+                      "| profile | N | coalesce/s | cached/s | cached p99 ms | x (same-round median) |",
+                      "| --- | --- | --- | --- | --- | --- |"]
+            lines += [f"| {r['profile']} | {r['concurrency']} | {r['coalesce_per_s']:.1f} | {r['cached_per_s']:.1f} | "
+                      f"{r['cached_p99_ms']:.1f} | {r['cached_over_coalesce']:.2f} |" for r in cached]
+            lines.append("")
     lines += ["## Offline ceilings (texts/s, median over rounds)", "", "| profile | ceiling | texts/s |",
               "| --- | --- | --- |"]
     for profile, ceilings in sorted(run["limits"].items()):
@@ -157,7 +185,7 @@ def plot(run: Mapping[str, Any], out_dir: Path) -> list[Path]:
     points = summarize(run["points"])
     paths = []
     profiles = sorted({p["profile"] for p in points})
-    systems = [s for s in ("coalesce", *BASELINES) if any(p["system"] == s for p in points)]
+    systems = [s for s in ("coalesce", *BASELINES, "cached") if any(p["system"] == s for p in points)]
     fig, axes = plt.subplots(1, len(profiles), figsize=(6 * len(profiles), 4.5), squeeze=False)
     for ax, profile in zip(axes[0], profiles, strict=True):
         for system in systems:

@@ -92,3 +92,15 @@ def test_median():
     assert report.median([]) is None
     assert report.median([3.0, 1.0, 2.0]) == 2.0
     assert report.median([4.0, 1.0, 2.0, 3.0]) == 2.5
+
+
+def test_cache_rows_compare_cached_with_plain_in_the_same_rounds():
+    points = []
+    for rnd, speed in enumerate((1.0, 0.5)):
+        points.append({**point("coalesce", "duplicates", 32, 100.0 * speed, 50.0), "round": rnd})
+        points.append({**point("cached", "duplicates", 32, 400.0 * speed, 10.0), "round": rnd})
+    points.append({**point("coalesce", "queries", 32, 100.0, 50.0), "round": 0})  # no cached twin: no row
+    (row,) = report.cache_rows(points, "grpc")
+    assert row["profile"] == "duplicates" and row["cached_over_coalesce"] == pytest.approx(4.0)
+    text = report.markdown({**RUN, "points": points, "limits": {}})
+    assert "## Row cache (grpc)" in text and "| duplicates | 32 | 75.0 | 300.0 | 10.0 | 4.00 |" in text

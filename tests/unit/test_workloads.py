@@ -37,3 +37,13 @@ def test_input_data_format(tmp_path):
     data = json.loads(out.read_text())["data"]
     assert len(data) == 10
     assert data[0]["TEXT"]["shape"] == [1] and isinstance(data[0]["TEXT"]["content"][0], str)
+
+
+def test_bench_repository_has_the_cached_variant(tmp_path):
+    from perf.bench import build_repository
+
+    repo = build_repository(tmp_path, ["coalesce", "cached"])
+    cached = (repo / "minilm_cached" / "config.pbtxt").read_text()
+    assert 'name: "minilm_cached"' in cached and '{ key: "cache_bytes", value: { string_value: "268435456" } }' in cached
+    assert "cache_bytes" not in (repo / "minilm" / "config.pbtxt").read_text()
+    assert (repo / "minilm_cached" / "1" / "model.onnx").exists()
