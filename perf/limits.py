@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ import numpy as np
 from coalesce.pipeline import EmbeddingPipeline
 from coalesce.pooling import pool
 from coalesce.settings import Settings
+from coalesce.tokenizer import EncodedRows
 
 FIXED_BATCH_SIZES = (8, 16, 32, 64)
 
@@ -37,15 +38,20 @@ def limit_at(pipeline: EmbeddingPipeline, texts: Sequence[str], window: int) -> 
     return len(rows) / (time.perf_counter() - start)
 
 
+def run_passes(pipeline: EmbeddingPipeline, encoded: EncodedRows, groups: Iterable[np.ndarray]) -> None:
+    """Run one forward pass per group of rows of ``encoded``, padded to the group's longest, and pool it."""
+    for rows in groups:
+        ids, mask, types = encoded.padded(rows, int(encoded.lengths[rows].max()))
+        pool(pipeline.runtime.run(ids, mask, types), mask, mode=pipeline.settings.pooling,
+             normalize=pipeline.settings.normalize)
+
+
 def sorted_fixed(pipeline: EmbeddingPipeline, texts: Sequence[str], batch: int) -> float:
     """Texts per second: tokenise all, sort by length, run fixed cuts of ``batch`` rows."""
     start = time.perf_counter()
     encoded = pipeline.tokenizer.encode(list(texts))
     order = np.argsort(encoded.lengths, kind="stable")
-    for i in range(0, len(order), batch):
-        rows = order[i:i + batch]
-        ids, mask, types = encoded.padded(rows, int(encoded.lengths[rows].max()))
-        pool(pipeline.runtime.run(ids, mask, types), mask, mode="mean", normalize=True)
+    run_passes(pipeline, encoded, (order[i:i + batch] for i in range(0, len(order), batch)))
     return len(texts) / (time.perf_counter() - start)
 
 

@@ -31,19 +31,10 @@ from typing import Any
 import numpy as np
 
 from coalesce.pipeline import EmbeddingPipeline
-from coalesce.pooling import pool
 from perf import limits, workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("planner", "one_at_a_time", "pad_to_longest")
-
-
-def _run(pipeline: EmbeddingPipeline, texts: Sequence[str], groups: Sequence[np.ndarray]) -> None:
-    encoded = pipeline.tokenizer.encode(list(texts))
-    for rows in groups:
-        ids, mask, types = encoded.padded(rows, int(encoded.lengths[rows].max()))
-        pool(pipeline.runtime.run(ids, mask, types), mask, mode=pipeline.settings.pooling,
-             normalize=pipeline.settings.normalize)
 
 
 def compare(pipeline: EmbeddingPipeline, texts: Sequence[str], window: int) -> dict[str, float]:
@@ -54,9 +45,9 @@ def compare(pipeline: EmbeddingPipeline, texts: Sequence[str], window: int) -> d
         t0 = time.perf_counter()
         pipeline.embed([[t.encode("utf-8")] for t in chunk])
         t1 = time.perf_counter()
-        _run(pipeline, chunk, [np.array([i]) for i in range(len(chunk))])
+        limits.run_passes(pipeline, pipeline.tokenizer.encode(chunk), [np.array([i]) for i in range(len(chunk))])
         t2 = time.perf_counter()
-        _run(pipeline, chunk, [np.arange(len(chunk))])
+        limits.run_passes(pipeline, pipeline.tokenizer.encode(chunk), [np.arange(len(chunk))])
         t3 = time.perf_counter()
         spent["planner"] += t1 - t0
         spent["one_at_a_time"] += t2 - t1

@@ -16,14 +16,6 @@ def cost_per_million(throughput_per_s: float, price_per_hour: float) -> float:
     return price_per_hour / (throughput_per_s * 3600.0) * 1e6
 
 
-def find(points: Sequence[Point], **match: Any) -> Point | None:
-    """The first point whose fields equal ``match``."""
-    for point in points:
-        if all(point.get(k) == v for k, v in match.items()):
-            return point
-    return None
-
-
 BASELINES = ("naive", "pytriton")
 
 

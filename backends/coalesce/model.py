@@ -58,18 +58,19 @@ class _TritonMetricFactory:
             self._families[name] = _keep_forever(family)
         return self._families[name]
 
+    def _metric(self, name: str, description: str, kind: Any, labels: Mapping[str, str], **extra: Any) -> Any:
+        return _keep_forever(self._family(name, description, kind).Metric(labels=dict(labels), **extra))
+
     def counter(self, name: str, description: str, labels: Mapping[str, str]) -> Any:
-        family = self._family(name, description, pb_utils.MetricFamily.COUNTER)
-        return _keep_forever(family.Metric(labels=dict(labels)))
+        return self._metric(name, description, pb_utils.MetricFamily.COUNTER, labels)
 
     def gauge(self, name: str, description: str, labels: Mapping[str, str]) -> Any:
-        family = self._family(name, description, pb_utils.MetricFamily.GAUGE)
-        return _keep_forever(family.Metric(labels=dict(labels)))
+        return self._metric(name, description, pb_utils.MetricFamily.GAUGE, labels)
 
     def histogram(self, name: str, description: str, labels: Mapping[str, str],
                   buckets: Sequence[float]) -> Any:
-        family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)
-        return _keep_forever(family.Metric(labels=dict(labels), buckets=[float(b) for b in buckets]))
+        return self._metric(name, description, pb_utils.MetricFamily.HISTOGRAM, labels,
+                            buckets=[float(b) for b in buckets])
 
 
 class TritonPythonModel:

@@ -136,17 +136,18 @@ class RowCache:
                 found.append(entry[0])
         return found
 
-    def put_many(self, keys: Sequence[bytes], vectors: np.ndarray) -> None:
+    def put_many(self, keys: Sequence[bytes], vectors: np.ndarray) -> int:
         """Store one vector per key (row ``i`` of ``vectors`` under ``keys[i]``), evicting the least recently used.
 
         Vectors are copied, so later changes to ``vectors`` never reach the cache; an
-        entry larger than the whole bound is not stored.
+        entry larger than the whole bound is not stored. Returns how many entries were evicted.
         """
         if not self.enabled:
-            return
+            return 0
         if len(keys) != len(vectors):
             raise ValueError(f"{len(keys)} keys for {len(vectors)} vectors")
         expires = self._clock() + self.ttl_s if self.ttl_s else float("inf")
+        evicted = 0
         with self._lock:
             for key, row in zip(keys, vectors, strict=True):
                 vector = np.array(row, dtype=np.float32, copy=True)
@@ -160,16 +161,12 @@ class RowCache:
                 while self._resident + size > self.max_bytes:
                     oldest = next(iter(self._entries))
                     self._drop(oldest)
-                    self.stats.evictions += 1
+                    evicted += 1
                 self._entries[key] = (vector, expires, size)
                 self._resident += size
+            self.stats.evictions += evicted
+        return evicted
 
     def _drop(self, key: bytes) -> None:
         _, _, size = self._entries.pop(key)
         self._resident -= size
-
-    def clear(self) -> None:
-        """Drop every entry (counted neither as eviction nor expiry)."""
-        with self._lock:
-            self._entries.clear()
-            self._resident = 0

@@ -142,6 +142,16 @@ class ServerOptions:
     ready_timeout_s: float = 180.0
 
 
+def library_path(*extra: Path | str) -> str:
+    """``LD_LIBRARY_PATH`` for a Triton server: this interpreter's libpython first, then ``extra``, then the current.
+
+    The Python-backend stub links libpython3.X: this interpreter's own must win over a system
+    copy of another patch release, whose ``_thread`` would not match the stdlib it loads.
+    """
+    parts = [sysconfig.get_config_var("LIBDIR") or "", *map(str, extra), os.environ.get("LD_LIBRARY_PATH", "")]
+    return ":".join(p for p in parts if p)
+
+
 def _set_parent_death_signal() -> None:
     # Linux: the server gets SIGTERM if its launcher dies, so a killed test run leaves no server behind.
     with contextlib.suppress(Exception):
@@ -202,12 +212,7 @@ class TritonServer:
     def environment(self) -> dict[str, str]:
         """Environment of the server: our Python first on PATH, its libpython first on the library path."""
         env = dict(os.environ)
-        libdir = sysconfig.get_config_var("LIBDIR") or ""
-        # The stub links libpython3.X: this interpreter's own must win over a system copy of another patch release.
-        lib_path = [libdir, *map(str, self.install.lib_dirs)]
-        if env.get("LD_LIBRARY_PATH"):
-            lib_path.append(env["LD_LIBRARY_PATH"])
-        env["LD_LIBRARY_PATH"] = ":".join(p for p in lib_path if p)
+        env["LD_LIBRARY_PATH"] = library_path(*self.install.lib_dirs)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         # Models load their weights from the repository, never from a hub.
         env.setdefault("HF_HUB_OFFLINE", "1")

@@ -62,7 +62,6 @@ class EmbeddingPipeline:
             raise ValueError("a row cache needs the output fingerprint its keys are made under")
         self.cache = cache if cache is not None and cache.enabled else None
         self.fingerprint = fingerprint
-        self._evictions_seen = 0
 
     @classmethod
     def from_version_dir(cls, settings: Settings, version_dir: Path, *, version: str = "1",
@@ -194,11 +193,12 @@ class EmbeddingPipeline:
         stage["pool"].observe(pool_s)
         if self.cache is not None and done.any():
             stored = todo[done]
-            self.cache.put_many([keys[i] for i in stored], computed[stored])
-            self._record_cache_state()
+            metrics.cache_evictions.increment(self.cache.put_many([keys[i] for i in stored], computed[stored]))
+            metrics.cache_resident_bytes.set(self.cache.resident_bytes)
 
         t3 = time.perf_counter()
-        out = computed[inverse]
+        # Without duplicates `computed` is already in row order; a gather would only copy it.
+        out = computed if len(distinct) == len(texts) else computed[inverse]
         for index, lo, hi in spans:
             bad = [int(d) for d in inverse[lo:hi] if int(d) in failures] if failures else []
             results[index] = failures[bad[0]] if bad else out[lo:hi]
@@ -217,13 +217,6 @@ class EmbeddingPipeline:
         self.metrics.cache_hits.increment(len(distinct) - len(missing))
         self.metrics.cache_misses.increment(len(missing))
         return np.array(missing, dtype=np.intp), keys
-
-    def _record_cache_state(self) -> None:
-        assert self.cache is not None
-        evictions = self.cache.stats.evictions
-        self.metrics.cache_evictions.increment(evictions - self._evictions_seen)
-        self._evictions_seen = evictions
-        self.metrics.cache_resident_bytes.set(self.cache.resident_bytes)
 
     def _decode(self, rows: Sequence[bytes | str]) -> list[str]:
         if len(rows) == 0:

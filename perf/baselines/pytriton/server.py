@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -30,6 +29,8 @@ from pytriton.decorators import batch
 from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
 from tokenizers import Tokenizer
+
+from coalesce.launcher import library_path
 
 MODEL_NAME = "pytriton"
 
@@ -121,10 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue-delay-us", type=int, default=2000)
     parser.add_argument("--preferred-batch-sizes", default="16,32,64")
     args = parser.parse_args(argv)
-    # PyTriton's Python-backend stub links libpython3.X: this interpreter's own must win over a
-    # system copy of another patch release (its multiprocessing would not match its _thread).
-    libdir = sysconfig.get_config_var("LIBDIR") or ""
-    os.environ["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    # PyTriton starts tritonserver with this process's environment; its stub links libpython too.
+    os.environ["LD_LIBRARY_PATH"] = library_path()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pytriton-baseline %(levelname)s %(message)s")
     config = TritonConfig(http_address="127.0.0.1", http_port=args.http_port, grpc_address="127.0.0.1",
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port)
