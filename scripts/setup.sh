@@ -30,6 +30,8 @@ for arg in "$@"; do
   esac
 done
 [ $BENCH -eq 1 ] && ensure_apt libb64-0d
+# The shared row-cache tier: the tests and `coalesce serve` start their own redis-server.
+ensure_apt redis-server
 
 # 1. Python with venv and a shared libpython (the Triton Python-backend stub links it).
 pyver=$($PYTHON -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')

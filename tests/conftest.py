@@ -42,3 +42,16 @@ TRICKY_TEXTS = [
     "token " * 400,
     "Mixed 中文 and English, with numbers 12345 and punctuation?!",
 ]
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server (Debian's package, installed by `make setup`) on a free loopback port."""
+    from coalesce.launcher import LaunchError, RedisServer
+
+    try:
+        server = RedisServer().start()
+    except LaunchError as exc:
+        pytest.fail(f"redis-server did not start: {exc}")
+    yield server
+    server.stop()

@@ -104,7 +104,8 @@ class TritonPythonModel:
         return responses
 
     def finalize(self) -> None:
-        """Release the runtime, then the metrics (handles before their families)."""
+        """Finish shared-cache writes, release the runtime, then the metrics (handles before their families)."""
+        self._pipeline.close()
         self._pipeline = None  # type: ignore[assignment]
         self._metric_factory = None  # type: ignore[assignment]
 

@@ -43,6 +43,9 @@ def test_settings_are_frozen():
     ("planner", "magic", "expected one of dp, greedy"),
     ("cost_model", "1,2", "parameter 'cost_model' has bad value '1,2': expected 'auto' or three non-negative"),
     ("cost_model", "1,-2,3", "has bad value '1,-2,3'"),
+    ("redis_url", "http://cache:6379", "parameter 'redis_url' has bad value 'http://cache:6379': expected a URL"),
+    ("redis_timeout_ms", "0", "parameter 'redis_timeout_ms' has bad value '0': must be >= 1"),
+    ("redis_key_prefix", "", "must not be empty"),
 ])
 def test_bad_parameters_name_model_key_and_value(key, value, fragment):
     with pytest.raises(ConfigError) as info:
@@ -76,3 +79,9 @@ def test_io_contract_checked(mutate, fragment):
 def test_every_parameter_documented():
     for field in Settings.parameter_fields():
         assert field.metadata["doc"], field.name
+
+
+def test_an_empty_redis_url_means_no_shared_tier():
+    settings = Settings.from_parameters({"redis_url": ""}, model_name="m")
+    assert settings.redis_url == "" and not settings.caches_rows
+    assert Settings.from_parameters({"redis_url": "redis://127.0.0.1:6379/0"}, model_name="m").caches_rows

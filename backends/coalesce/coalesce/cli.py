@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from coalesce.launcher import LaunchError, TritonServer, options_from_env
+from coalesce.launcher import LaunchError, RedisServer, ServerOptions, TritonServer, options_from_env, start_local_redis
 
 SAMPLE_TEXT = "Coalesce turns dynamic batches into few forward passes."
 
@@ -21,6 +21,21 @@ def _serve(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         sys.stderr.write(f"coalesce serve: {exc}\n")
         return 2
+    try:
+        redis_servers = start_local_redis(options.model_repository)
+    except LaunchError as exc:
+        sys.stderr.write(f"coalesce serve: {exc}\n")
+        return 1
+    try:
+        return _run(server, options, redis_servers)
+    finally:
+        for redis in redis_servers:
+            redis.stop()
+
+
+def _run(server: TritonServer, options: ServerOptions, redis_servers: list[RedisServer]) -> int:
+    for redis in redis_servers:
+        sys.stderr.write(f"coalesce serve: started redis-server on {redis.url} for the shared row cache\n")
     sys.stderr.write(f"coalesce serve: starting {server.install.origin} on {options.model_repository} "
                      f"(model control: {options.model_control})\n")
     try:

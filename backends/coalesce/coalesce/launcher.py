@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -317,6 +318,136 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+#: ``parameters`` entry of a ``config.pbtxt`` that points a model at a shared cache tier.
+_REDIS_URL_PARAMETER: Final = re.compile(r'key:\s*"redis_url"\s*,?\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+_LOOPBACK_HOSTS: Final = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def redis_urls(model_repository: Path) -> list[str]:
+    """The ``redis_url`` parameters of the repository's models, in model order, without repeats."""
+    urls: list[str] = []
+    for config in sorted(model_repository.glob("*/config.pbtxt")):
+        for url in _REDIS_URL_PARAMETER.findall(config.read_text()):
+            if url and url not in urls:
+                urls.append(url)
+    return urls
+
+
+def local_redis_port(url: str) -> int | None:
+    """The port of a ``redis://`` URL on this machine's loopback, else None (a remote or socket URL)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "redis" or parts.hostname not in _LOOPBACK_HOSTS:
+        return None
+    return parts.port or 6379
+
+
+def _answers_ping(port: int, timeout_s: float = 0.5) -> bool:
+    """Whether a Redis on loopback ``port`` answers PING (plain RESP over a socket, no client library)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """A local ``redis-server`` (Debian's package) for the shared cache tier; a context manager.
+
+    Runs without persistence, bounded by ``maxmemory`` with LRU eviction: it is a cache,
+    and losing it only costs recomputation.
+    """
+
+    def __init__(self, port: int | None = None, *, maxmemory: str = "1gb") -> None:
+        """Prepare (not start) a server on loopback ``port`` (a free one if None).
+
+        Raises:
+            LaunchError: If ``redis-server`` is not installed.
+        """
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not Path(binary).is_file():
+            raise LaunchError("redis-server is not installed: `make setup` installs it (Debian: apt-get install "
+                              "redis-server)")
+        self.binary = binary
+        self.port = port or free_port()
+        self.maxmemory = maxmemory
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log = Path(tempfile.mkstemp(prefix="coalesce-redis-", suffix=".log")[1])
+
+    @property
+    def url(self) -> str:
+        """``redis://`` URL of the server."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 15.0) -> RedisServer:
+        """Start it and wait until it answers PING.
+
+        Raises:
+            LaunchError: If it exits or does not answer in time; the message has its log.
+        """
+        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                   "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--daemonize", "no"]
+        with self._log.open("ab") as log:
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                             preexec_fn=_set_parent_death_signal)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise LaunchError(f"redis-server exited with code {self._process.returncode}: "
+                                  f"{self._log.read_text(errors='replace')[-2000:]}")
+            if _answers_ping(self.port):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise LaunchError(f"redis-server on port {self.port} did not answer within {timeout_s:.0f} s")
+
+    def kill(self) -> None:
+        """SIGKILL it (a crash, for tests); ``start`` brings it back on the same port, empty."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop it with SIGTERM, then SIGKILL after ``timeout_s``."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._log.unlink(missing_ok=True)
+
+
+def start_local_redis(model_repository: Path) -> list[RedisServer]:
+    """Start a ``redis-server`` for each loopback ``redis_url`` of the repository that nothing answers on.
+
+    Remote URLs and Redis servers already running are left alone. The caller stops the
+    returned servers.
+
+    Raises:
+        LaunchError: If a needed server cannot be started.
+    """
+    started: list[RedisServer] = []
+    try:
+        for url in redis_urls(model_repository):
+            port = local_redis_port(url)
+            if port is not None and not _answers_ping(port):
+                started.append(RedisServer(port).start())
+    except BaseException:
+        for server in started:
+            server.stop()
+        raise
+    return started
 
 
 def options_from_env(model_repository: Path, *, explicit: bool | None = None,

@@ -21,6 +21,11 @@ BATCH_ROWS_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: Padded over real tokens of one forward pass (1.0 is no padding).
 PADDING_RATIO_BUCKETS: Final = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
+#: Seconds of one shared-cache (Redis) lookup: 100 us to 1 s.
+SHARED_LOOKUP_SECONDS_BUCKETS: Final = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+#: What a shared-cache error happened in (label ``op`` of ``coalesce_shared_cache_errors_total``).
+SHARED_CACHE_OPS: Final = ("connect", "get", "set", "corrupt")
+
 #: Pipeline stages timed by ``coalesce_stage_seconds``.
 STAGES: Final = ("decode", "tokenize", "plan", "infer", "pool", "scatter")
 
@@ -89,6 +94,27 @@ class PipelineMetrics:
             "coalesce_cache_evictions_total", "Rows evicted from the row cache to stay under cache_bytes", labels)
         self.cache_resident_bytes = factory.gauge(
             "coalesce_cache_resident_bytes", "Bytes the row cache holds (the count cache_bytes bounds)", labels)
+        self.shared_cache_hits = factory.counter(
+            "coalesce_shared_cache_hits_total", "Rows answered from the shared (Redis) tier", labels)
+        self.shared_cache_misses = factory.counter(
+            "coalesce_shared_cache_misses_total", "Rows looked up in the shared (Redis) tier and not found", labels)
+        self.shared_cache_skipped_rows = factory.counter(
+            "coalesce_shared_cache_skipped_rows_total",
+            "Row lookups and writes skipped while the shared tier stands aside after an error", labels)
+        self.shared_cache_dropped_rows = factory.counter(
+            "coalesce_shared_cache_dropped_rows_total",
+            "Row writes to the shared tier dropped because its write queue was full", labels)
+        self.shared_cache_errors = {
+            op: factory.counter("coalesce_shared_cache_errors_total",
+                                "Shared-tier (Redis) errors; the model served without the tier", {**labels, "op": op})
+            for op in SHARED_CACHE_OPS
+        }
+        self.shared_cache_up = factory.gauge(
+            "coalesce_shared_cache_up", "1 while the shared tier answers, 0 while it stands aside after an error",
+            labels)
+        self.shared_cache_lookup_seconds = factory.histogram(
+            "coalesce_shared_cache_lookup_seconds", "Seconds of one batched shared-tier lookup (MGET)", labels,
+            SHARED_LOOKUP_SECONDS_BUCKETS)
         self.real_tokens = factory.counter(
             "coalesce_real_tokens_total", "Tokens of real text sent through forward passes", labels)
         self.padded_tokens = factory.counter(

@@ -23,6 +23,7 @@ from coalesce.metrics import InMemoryMetricFactory, MetricFactory, PipelineMetri
 from coalesce.pooling import pool
 from coalesce.runtime import Runtime, create_runtime
 from coalesce.settings import Settings
+from coalesce.shared_cache import RedisTier
 from coalesce.tokenizer import TextTokenizer
 
 #: What the adapter hands over per request: its raw rows, or the error found while reading it.
@@ -36,12 +37,14 @@ class EmbeddingPipeline:
 
     def __init__(self, settings: Settings, runtime: Runtime, tokenizer: TextTokenizer,
                  metrics: PipelineMetrics, logger: Logger | None = None, *,
-                 cache: RowCache | None = None, fingerprint: bytes = b"") -> None:
+                 cache: RowCache | None = None, shared: RedisTier | None = None,
+                 fingerprint: bytes = b"") -> None:
         """Wire the pipeline; use ``from_version_dir`` to build one from files.
 
-        ``cache`` (with the ``fingerprint`` of everything that decides the output, see
-        ``coalesce.cache.output_fingerprint``) answers rows computed before; without it
-        every row is computed.
+        ``cache`` (the in-process tier) and ``shared`` (the Redis tier, asked for the rows
+        the first tier misses), with the ``fingerprint`` of everything that decides the
+        output (see ``coalesce.cache.output_fingerprint``), answer rows computed before;
+        without either, every row is computed.
 
         Raises:
             ConfigError: If the runtime's hidden width disagrees with the configured output dims.
@@ -58,9 +61,10 @@ class EmbeddingPipeline:
         self.limits = PlanLimits(max_rows=settings.max_batch_rows, max_tokens=settings.max_batch_tokens,
                                  max_padding_ratio=settings.max_padding_ratio)
         self.cost_model = self._cost_model()
-        if cache is not None and cache.enabled and len(fingerprint) < 16:
-            raise ValueError("a row cache needs the output fingerprint its keys are made under")
         self.cache = cache if cache is not None and cache.enabled else None
+        self.shared = shared
+        if (self.cache is not None or shared is not None) and len(fingerprint) < 16:
+            raise ValueError("a row cache needs the output fingerprint its keys are made under")
         self.fingerprint = fingerprint
 
     @classmethod
@@ -74,7 +78,7 @@ class EmbeddingPipeline:
         logger.info(choice.reason)
         metrics = PipelineMetrics(metric_factory or InMemoryMetricFactory(), model=settings.model_name,
                                   version=version)
-        if settings.cache_bytes == 0:
+        if not settings.caches_rows:
             return cls(settings, choice.runtime, tokenizer, metrics, logger)
         start = time.perf_counter()
         fingerprint = output_fingerprint({
@@ -84,10 +88,23 @@ class EmbeddingPipeline:
             "max_sequence_length": settings.max_sequence_length, "pooling": settings.pooling,
             "normalize": settings.normalize, "runtime": choice.runtime.name, "precision": "fp32",
         })
-        logger.info(f"row cache: {settings.cache_bytes} bytes, ttl {settings.cache_ttl_s or 'none'} s; output "
+        shared = None
+        if settings.redis_url:
+            shared = RedisTier(settings.redis_url, dim=settings.embedding_dim,
+                               timeout_s=settings.redis_timeout_ms / 1000, retry_s=settings.redis_retry_s,
+                               ttl_s=settings.cache_ttl_s, key_prefix=settings.redis_key_prefix, logger=logger,
+                               metrics=metrics)
+        logger.info(f"row cache: in process {settings.cache_bytes} bytes, shared "
+                    f"{shared.url if shared else 'off'}, ttl {settings.cache_ttl_s or 'none'} s; output "
                     f"fingerprint {fingerprint.hex()[:16]} (weights hashed in {time.perf_counter() - start:.2f} s)")
         return cls(settings, choice.runtime, tokenizer, metrics, logger,
-                   cache=RowCache(settings.cache_bytes, ttl_s=settings.cache_ttl_s), fingerprint=fingerprint)
+                   cache=RowCache(settings.cache_bytes, ttl_s=settings.cache_ttl_s), shared=shared,
+                   fingerprint=fingerprint)
+
+    def close(self) -> None:
+        """Release what outlives a call: the shared tier's writer and connections."""
+        if self.shared is not None:
+            self.shared.close()
 
     def _cost_model(self) -> CostModel:
         if self.settings.cost_model != "auto":
@@ -191,10 +208,14 @@ class EmbeddingPipeline:
             metrics.batch_rows.observe(len(plan.rows))
         stage["infer"].observe(infer_s)
         stage["pool"].observe(pool_s)
-        if self.cache is not None and done.any():
+        if keys and done.any():
             stored = todo[done]
-            metrics.cache_evictions.increment(self.cache.put_many([keys[i] for i in stored], computed[stored]))
-            metrics.cache_resident_bytes.set(self.cache.resident_bytes)
+            stored_keys = [keys[i] for i in stored]
+            if self.shared is not None:
+                self.shared.put_many(stored_keys, computed[stored])  # queued; written off the request path
+            if self.cache is not None:
+                metrics.cache_evictions.increment(self.cache.put_many(stored_keys, computed[stored]))
+                metrics.cache_resident_bytes.set(self.cache.resident_bytes)
 
         t3 = time.perf_counter()
         # Without duplicates `computed` is already in row order; a gather would only copy it.
@@ -206,16 +227,29 @@ class EmbeddingPipeline:
 
     def _answer_from_cache(self, distinct: list[str], computed: np.ndarray) -> tuple[np.ndarray, list[bytes]]:
         """Fill ``computed`` with the cached rows; return the indices of the rows still to compute, and the keys."""
-        if self.cache is None:
+        if self.cache is None and self.shared is None:
             return np.arange(len(distinct)), []
         keys = [row_key(self.fingerprint, text) for text in distinct]
-        found = self.cache.get_many(keys)
-        missing = [i for i, vector in enumerate(found) if vector is None]
-        for i, vector in enumerate(found):
-            if vector is not None:
-                computed[i] = vector
-        self.metrics.cache_hits.increment(len(distinct) - len(missing))
-        self.metrics.cache_misses.increment(len(missing))
+        missing = list(range(len(distinct)))
+        if self.cache is not None:
+            found = self.cache.get_many(keys)
+            missing = [i for i, vector in enumerate(found) if vector is None]
+            for i, vector in enumerate(found):
+                if vector is not None:
+                    computed[i] = vector
+            self.metrics.cache_hits.increment(len(distinct) - len(missing))
+            self.metrics.cache_misses.increment(len(missing))
+        if self.shared is not None and missing:
+            # One round trip for every row the first tier missed; a shared hit is kept in process too.
+            shared = self.shared.get_many([keys[i] for i in missing])
+            hits = [i for i, vector in zip(missing, shared, strict=True) if vector is not None]
+            for i, vector in zip(missing, shared, strict=True):
+                if vector is not None:
+                    computed[i] = vector
+            if hits and self.cache is not None:
+                self.metrics.cache_evictions.increment(self.cache.put_many([keys[i] for i in hits], computed[hits]))
+                self.metrics.cache_resident_bytes.set(self.cache.resident_bytes)
+            missing = [i for i, vector in zip(missing, shared, strict=True) if vector is None]
         return np.array(missing, dtype=np.intp), keys
 
     def _decode(self, rows: Sequence[bytes | str]) -> list[str]:

@@ -18,6 +18,7 @@ from coalesce.errors import ConfigError
 RUNTIME_CHOICES: Final = ("auto", "onnxruntime")
 POOLING_CHOICES: Final = ("mean", "cls")
 PLANNER_CHOICES: Final = ("dp", "greedy")
+REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
 _TRUE: Final = frozenset({"true", "1", "yes", "on"})
 _FALSE: Final = frozenset({"false", "0", "no", "off"})
 
@@ -71,7 +72,18 @@ class Settings:
     cache_bytes: int = _spec(
         0, "Bytes of the in-process row cache (vectors, keys and bookkeeping; LRU eviction); 0 disables it.",
         low=0, high=1 << 40)
-    cache_ttl_s: float = _spec(0.0, "Seconds a cached row stays valid; 0: until evicted.", low=0.0, high=1e9)
+    cache_ttl_s: float = _spec(0.0, "Seconds a cached row stays valid (in process and in Redis); 0: until evicted.",
+                               low=0.0, high=1e9)
+    redis_url: str = _spec(
+        "", "Shared row-cache tier: `redis://host:port/db` (or `rediss://`, `unix://`); empty: no shared tier. "
+        "`coalesce serve` starts a local redis-server for a loopback URL nobody listens on.")
+    redis_timeout_ms: float = _spec(
+        50.0, "Most milliseconds one Redis round trip (connect, lookup or write) may take before the model "
+        "serves without it.", low=1.0, high=60_000.0)
+    redis_retry_s: float = _spec(
+        2.0, "After a Redis error, seconds the model serves without Redis before trying it again.",
+        low=0.0, high=3600.0)
+    redis_key_prefix: str = _spec("coalesce:", "Prefix of every key this model writes to Redis.")
     pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls`.",
                          choices=POOLING_CHOICES)
     normalize: bool = _spec(True, "L2-normalise each embedding.")
@@ -80,6 +92,11 @@ class Settings:
     model_name: str = dataclasses.field(default="model", metadata={"derived": True})
     max_batch_size: int = dataclasses.field(default=0, metadata={"derived": True})
     embedding_dim: int = dataclasses.field(default=384, metadata={"derived": True})
+
+    @property
+    def caches_rows(self) -> bool:
+        """Whether any row-cache tier is on (in process or shared)."""
+        return self.cache_bytes > 0 or bool(self.redis_url)
 
     @classmethod
     def parameter_fields(cls) -> list[dataclasses.Field[Any]]:
@@ -143,6 +160,9 @@ class Settings:
                 raise ConfigError(f"model '{self.model_name}': parameter 'cost_model' has bad value "
                                   f"'{self.cost_model}': expected 'auto' or three non-negative numbers "
                                   "'a,b,c' (seconds)") from None
+        if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ConfigError(f"model '{self.model_name}': parameter 'redis_url' has bad value '{self.redis_url}': "
+                              f"expected a URL starting with {', '.join(REDIS_SCHEMES)}")
         if self.max_batch_tokens < self.max_sequence_length:
             raise ConfigError(
                 f"model '{self.model_name}': parameter 'max_batch_tokens' (value '{self.max_batch_tokens}') "
@@ -177,7 +197,7 @@ def _convert(model_name: str, field: dataclasses.Field[Any], raw: str) -> Any:
     meta = field.metadata
     if meta["choices"] is not None and value not in meta["choices"]:
         raise fail(f"expected one of {', '.join(meta['choices'])}")
-    if kind == "str" and not value:
+    if kind == "str" and not value and field.default != "":  # an empty default means "off" may be written
         raise fail("must not be empty")
     if meta["low"] is not None and value < meta["low"]:
         raise fail(f"must be >= {meta['low']:g}")

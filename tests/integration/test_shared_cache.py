@@ -1,0 +1,113 @@
+"""The shared (Redis) row-cache tier inside a real server: warm after a reload, fail-open when Redis dies.
+
+A reload starts a new stub process with empty memory, so rows it answers without
+computing came from Redis: the same as a second server on the same Redis.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from coalesce.launcher import RedisServer
+from coalesce_client import EmbeddingClient
+from tests.integration.test_cache import metric
+
+MODEL = "shared"
+PREFIX = "itest:"
+
+
+@pytest.fixture(scope="module")
+def redis_for_model():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_model(server, repository, redis_for_model):
+    import tritonclient.http as httpclient
+
+    from tests.integration.conftest import add_model
+
+    parameters = {"cache_bytes": "0", "redis_url": redis_for_model.url, "redis_timeout_ms": "200",
+                  "redis_retry_s": "0.2", "redis_key_prefix": PREFIX}
+    entries = "".join(f'{{ key: "{k}", value: {{ string_value: "{v}" }} }},\n  ' for k, v in parameters.items())
+    add_model(repository, MODEL, replace={r'\{ key: "runtime"': entries + '{ key: "runtime"'})
+    client = httpclient.InferenceServerClient(server.http_url)
+    client.load_model(MODEL)
+    yield MODEL
+    client.unload_model(MODEL)
+    client.close()
+
+
+def stored_rows(url):
+    client = redis.Redis.from_url(url)
+    try:
+        return len(client.keys(PREFIX + "*"))
+    finally:
+        client.close()
+
+
+def wait_for(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_reloaded_model_starts_warm_from_redis(server, shared_model, redis_for_model, http_client):
+    texts = ["shared tier one", "shared tier two", "shared tier three"]
+    with EmbeddingClient(server.grpc_url, model=shared_model) as client:
+        computed = client.embed(texts)
+    assert wait_for(lambda: stored_rows(redis_for_model.url) >= 3), "rows never reached Redis"
+    assert metric(server, "coalesce_shared_cache_misses_total", shared_model) == 3
+    http_client.load_model(shared_model)  # a new instance: a new stub process, nothing in memory
+    with EmbeddingClient(server.http_url, model=shared_model, protocol="http") as client:
+        warm = client.embed(texts)
+    assert warm.tobytes() == computed.tobytes()
+    assert metric(server, "coalesce_shared_cache_hits_total", shared_model) >= 3
+
+
+def test_redis_killed_mid_run_fails_no_request_and_the_tier_comes_back(server, shared_model, redis_for_model):
+    errors: list[BaseException] = []
+    answered = [0]
+    stop = threading.Event()
+
+    def traffic(offset):
+        with EmbeddingClient(server.grpc_url, model=shared_model) as client:
+            i = 0
+            while not stop.is_set() and i < 2000:  # bounded
+                try:
+                    vectors = client.embed([f"outage text {offset} {i % 20}", f"outage text shared {i % 5}"])
+                    assert vectors.shape == (2, 384) and np.isfinite(vectors).all()
+                    answered[0] += 1
+                except BaseException as exc:
+                    errors.append(exc)
+                i += 1
+
+    workers = [threading.Thread(target=traffic, args=(n,)) for n in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        assert wait_for(lambda: answered[0] >= 20)
+        redis_for_model.kill()
+        assert wait_for(lambda: metric(server, "coalesce_shared_cache_errors_total", shared_model) > 0), \
+            "the model never noticed Redis was gone"
+        during = answered[0]
+        assert wait_for(lambda: answered[0] >= during + 20), "requests stopped while Redis was down"
+        redis_for_model.start()  # back on the same port, empty
+        hits = metric(server, "coalesce_shared_cache_hits_total", shared_model)
+        assert wait_for(lambda: metric(server, "coalesce_shared_cache_hits_total", shared_model) > hits), \
+            "the shared tier never came back after Redis restarted"
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(60)
+    assert errors == []
+    assert metric(server, "coalesce_shared_cache_up", shared_model) == 1
+    assert "shared cache redis://127.0.0.1" in server.log_text()
