@@ -9,7 +9,7 @@ P99_MS ?= 200
 TUNE_ARGS ?=
 TUNE_PROFILE ?= queries
 
-.PHONY: setup serve test unit integration lint lock clean bench load tune
+.PHONY: setup serve test unit integration lint lock clean bench bench-shared load tune
 
 setup:                 ## venv, pinned packages, OS packages, model export, Triton runtime (idempotent)
 	@bash scripts/setup.sh
@@ -24,6 +24,10 @@ test: setup            ## lint, then unit and integration tests (a real tritonse
 bench:                 ## perf_analyzer: coalesce vs naive side by side, offline ceilings; writes perf/results/
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.bench $(BENCH_ARGS)
+
+bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm
+	@bash scripts/setup.sh --bench
+	$(BIN)/python -m perf.shared_cache $(BENCH_ARGS)
 
 load:                  ## Locust, headless: steady/poisson/burst/ramp over gRPC and HTTP; writes perf/results/load-*
 	@bash scripts/setup.sh
