@@ -37,6 +37,8 @@ from perf import report, workloads
 ROOT = Path(__file__).resolve().parent.parent
 MINILM = ROOT / "model_repository" / "minilm"
 PLAIN, SHARED = "minilm", "minilm_shared"
+#: Texts per workload: cheap to prefill for duplicates (200 distinct), and above what one point sends.
+DEFAULT_COUNTS = {"queries": 8000, "duplicates": 30000}
 #: Row-cache counters read around every point.
 COUNTERS = ("coalesce_cache_hits_total", "coalesce_shared_cache_hits_total", "coalesce_shared_cache_misses_total",
             "coalesce_shared_cache_errors_total", "coalesce_rows_total")
@@ -92,7 +94,7 @@ def measured(server: TritonServer, model: str, system: str, args: argparse.Names
            "local_hit_rate": delta["coalesce_cache_hits_total"] / rows,
            "shared_hit_rate": delta["coalesce_shared_cache_hits_total"] / rows,
            "shared_errors": delta["coalesce_shared_cache_errors_total"],
-           "wrapped": delta["coalesce_rows_total"] > args.count}
+           "wrapped": delta["coalesce_rows_total"] > args.counts[point["profile"]]}
     sys.stderr.write(f"bench-shared: round {point['round']} {point['profile']} {system}: "
                      f"{out['throughput_per_s']:.1f}/s p99 {out['p99_ms']:.1f} ms, hits local "
                      f"{out['local_hit_rate']:.0%} shared {out['shared_hit_rate']:.0%}\n")
@@ -173,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profiles", default="queries,duplicates")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--count", type=int, default=8000,
-                        help="texts per workload: more than one point sends (see each point's rows), so perf_analyzer "
-                             "does not wrap into repeats the workload does not have")
+    parser.add_argument("--count", type=int, default=None,
+                        help="texts per workload (default: 8000 distinct queries, 30000 duplicates): more than one "
+                             "point sends (see each point's rows), so perf_analyzer does not wrap into repeats the "
+                             "workload does not have; the prefill embeds them all")
     parser.add_argument("--request-count", type=int, default=300, help="requests per measurement window")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cache-bytes", type=int, default=256 << 20, help="in-process tier of minilm_shared")
@@ -184,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = parser.parse_args(argv)
     profiles = args.profiles.split(",")
+    counts = args.counts = {p: args.count or DEFAULT_COUNTS.get(p, 8000) for p in profiles}
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="coalesce-bench-shared-"))
     inputs, texts = {}, {}
     for profile in profiles:
         inputs[profile] = workdir / f"{profile}.json"
-        texts[profile] = workloads.generate(profile, args.count, args.seed)
+        texts[profile] = workloads.generate(profile, counts[profile], args.seed)
         inputs[profile].write_text(json.dumps(workloads.to_input_data(texts[profile]), ensure_ascii=False))
     points: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -220,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     run = {"run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": f"{os.cpu_count()} cores, no GPU, ONNX Runtime CPU, redis-server on loopback",
            "command": "make bench-shared  # python -m perf.shared_cache " + " ".join(argv or sys.argv[1:]),
-           "workloads": f"{args.count} texts per profile (queries: all distinct; duplicates: Zipf over 200), "
-                        f"seed {args.seed}", "rounds": args.rounds, "concurrency": args.concurrency,
-           "cache_bytes": args.cache_bytes, "points": points, "failures": failures}
+           "workloads": ", ".join(f"{p}: {n} texts" for p, n in counts.items())
+                        + f" (queries: all distinct; duplicates: Zipf over 200), seed {args.seed}",
+           "rounds": args.rounds, "concurrency": args.concurrency, "cache_bytes": args.cache_bytes,
+           "points": points, "failures": failures}
     run["rows"] = ratio_rows(points)
     (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
     (args.out / f"{args.run}.md").write_text(markdown(run))

@@ -20,7 +20,9 @@ import triton_python_backend_utils as pb_utils
 from coalesce import contract
 from coalesce.errors import CoalesceError, InvalidInputError
 from coalesce.log import Logger
-from coalesce.pipeline import EmbeddingPipeline, RequestInput
+from coalesce.metrics import SchedulerMetrics
+from coalesce.pipeline import EmbeddingPipeline, RequestInput, RequestResult
+from coalesce.serving import AdaptiveScheduler, Submission, read_parameters, scheduler_config
 from coalesce.settings import Settings
 
 
@@ -87,27 +89,71 @@ class TritonPythonModel:
         self._metric_factory = _TritonMetricFactory()
         self._pipeline = EmbeddingPipeline.from_version_dir(
             settings, version_dir, version=version, metric_factory=self._metric_factory, logger=logger)
+        self._scheduler: AdaptiveScheduler | None = None
+        if settings.scheduling == "adaptive":
+            delay_us = int(config.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0)
+            if delay_us:
+                logger.warning(f"scheduling is adaptive but Triton's max_queue_delay_microseconds is {delay_us}: "
+                               "every request waits that long before the backend sees it; set it to 0")
+            self._scheduler = AdaptiveScheduler(
+                self._pipeline, scheduler_config(settings),
+                SchedulerMetrics(self._metric_factory, model=settings.model_name, version=version), logger)
         logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}; "
                     f"settings {settings}")
 
-    def execute(self, requests: list[Any]) -> list[Any]:
-        """Answer every request of the batch Triton formed, one response each, in order."""
-        inputs = [_read_request(request) for request in requests]
-        results = self._pipeline.embed(inputs)
-        responses = []
-        for result in results:
-            if isinstance(result, CoalesceError):
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(result)))
-            else:
-                tensor = pb_utils.Tensor(contract.OUTPUT_EMBEDDING, result)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[tensor]))
-        return responses
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        """Answer every request of the batch Triton formed, one response each, in order.
+
+        Under adaptive scheduling, hand the requests to the backend's queue and return
+        None: the scheduler thread answers each through its response sender.
+        """
+        if self._scheduler is not None:
+            self._scheduler.submit([_submission(request) for request in requests])
+            return None
+        results = self._pipeline.embed([_read_request(request) for request in requests])
+        return [_response(result) for result in results]
 
     def finalize(self) -> None:
-        """Finish shared-cache writes, release the runtime, then the metrics (handles before their families)."""
+        """Answer what is queued, finish shared-cache writes, release the runtime, then the metrics."""
+        if self._scheduler is not None:
+            self._scheduler.close()
         self._pipeline.close()
         self._pipeline = None  # type: ignore[assignment]
         self._metric_factory = None  # type: ignore[assignment]
+
+
+def _response(result: RequestResult) -> Any:
+    """The Triton response of one result: the embeddings, or the error with its Triton code."""
+    if isinstance(result, CoalesceError):
+        return pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(result))
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(contract.OUTPUT_EMBEDDING, result)])
+
+
+class _Responder:
+    """Sends a request's one final response through its response sender, from any thread.
+
+    Holds the request itself until then: the sender belongs to it.
+    """
+
+    def __init__(self, request: Any) -> None:
+        self._request: Any = request
+        self._sender = request.get_response_sender()
+
+    def __call__(self, result: RequestResult) -> None:
+        self._sender.send(_response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._request = None
+
+
+def _submission(request: Any) -> Submission:
+    """Hand one request to the adaptive scheduler: its rows, parameters, timeout and response sender."""
+    respond = _Responder(request)
+    rows = _read_request(request)
+    parameters = read_parameters(request.parameters())
+    if isinstance(parameters, CoalesceError):
+        return Submission(rows=parameters, respond=respond)
+    tenant, priority = parameters
+    return Submission(rows=rows, respond=respond, tenant=tenant, priority=priority,
+                      timeout_s=request.timeout() / 1e6, is_cancelled=request.is_cancelled)
 
 
 def _read_request(request: Any) -> RequestInput:

@@ -26,6 +26,12 @@ SHARED_LOOKUP_SECONDS_BUCKETS: Final = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 
 #: What a shared-cache error happened in (label ``op`` of ``coalesce_shared_cache_errors_total``).
 SHARED_CACHE_OPS: Final = ("connect", "get", "set", "corrupt")
 
+#: Seconds a request waits in the adaptive scheduler's queue, and end-to-end per tenant: 100 us to 30 s.
+WAIT_SECONDS_BUCKETS: Final = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5,
+                               5.0, 10.0, 30.0)
+#: Reasons a request is answered without being computed (label ``reason``), as in ``coalesce.scheduler.Rejection``.
+REJECTION_REASONS: Final = ("deadline", "queue_full", "rate_limit", "expired", "cancelled")
+
 #: Pipeline stages timed by ``coalesce_stage_seconds``.
 STAGES: Final = ("decode", "tokenize", "plan", "infer", "pool", "scatter")
 
@@ -193,3 +199,64 @@ class InMemoryMetricFactory:
         """All observations of histogram ``name`` over label sets that include ``labels``."""
         return [v for (n, ls), h in self.histograms.items()
                 if n == name and set(labels.items()) <= set(ls) for v in h.observations]
+
+
+class SchedulerMetrics:
+    """Metrics of the adaptive scheduler, labelled by model and version (and tenant where it says)."""
+
+    def __init__(self, factory: MetricFactory, *, model: str, version: str) -> None:
+        """Create the fixed handles once, at model load; per-tenant handles are made on first use."""
+        self._factory = factory
+        self._labels = labels = {"model": model, "version": version}
+        self.queue_requests = factory.gauge("coalesce_queue_requests", "Requests in the scheduler's queue", labels)
+        self.queue_rows = factory.gauge("coalesce_queue_rows", "Rows in the scheduler's queue", labels)
+        self.wait_seconds = factory.histogram(
+            "coalesce_queue_wait_seconds", "Seconds from arrival to dispatch per request", labels,
+            WAIT_SECONDS_BUCKETS)
+        self.dispatch_rows = factory.histogram(
+            "coalesce_dispatch_rows", "Rows per dispatch the scheduler chose", labels, BATCH_ROWS_BUCKETS)
+        self.predicted_seconds = factory.histogram(
+            "coalesce_dispatch_predicted_seconds", "Predicted run time per dispatch (cost model)", labels,
+            STAGE_SECONDS_BUCKETS)
+        self.actual_seconds = factory.histogram(
+            "coalesce_dispatch_seconds", "Actual run time per dispatch", labels, STAGE_SECONDS_BUCKETS)
+        self.cost_model_error = factory.gauge(
+            "coalesce_cost_model_error_ratio",
+            "Moving average of |actual - predicted| / actual per forward pass of the learning cost model", labels)
+        self.rejections = {
+            reason: factory.counter("coalesce_rejections_total", "Requests answered without being computed",
+                                    {**labels, "reason": reason})
+            for reason in REJECTION_REASONS
+        }
+        self._tenant: dict[tuple[str, str], Counter | Histogram] = {}
+        self._lock = threading.Lock()
+
+    def _per_tenant(self, kind: str, tenant: str) -> Counter | Histogram:
+        with self._lock:
+            handle = self._tenant.get((kind, tenant))
+            if handle is None:
+                labels = {**self._labels, "tenant": tenant}
+                if kind == "rows":
+                    handle = self._factory.counter("coalesce_tenant_rows_total", "Rows answered per tenant", labels)
+                elif kind == "failures":
+                    handle = self._factory.counter(
+                        "coalesce_tenant_failures_total", "Accepted requests answered with an error, per tenant",
+                        labels)
+                else:
+                    handle = self._factory.histogram(
+                        "coalesce_tenant_latency_seconds", "Seconds from arrival to answer per request, per tenant",
+                        labels, WAIT_SECONDS_BUCKETS)
+                self._tenant[(kind, tenant)] = handle
+            return handle
+
+    def tenant_rows(self, tenant: str) -> Counter:
+        """Rows answered for ``tenant``."""
+        return self._per_tenant("rows", tenant)  # type: ignore[return-value]
+
+    def tenant_failures(self, tenant: str) -> Counter:
+        """Accepted requests of ``tenant`` answered with an error."""
+        return self._per_tenant("failures", tenant)  # type: ignore[return-value]
+
+    def tenant_latency(self, tenant: str) -> Histogram:
+        """End-to-end latency in the backend of ``tenant``'s requests."""
+        return self._per_tenant("latency", tenant)  # type: ignore[return-value]

@@ -9,7 +9,7 @@ their answers.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,10 @@ class EmbeddingPipeline:
         self.logger = logger or Logger(settings.model_name)
         self.limits = PlanLimits(max_rows=settings.max_batch_rows, max_tokens=settings.max_batch_tokens,
                                  max_padding_ratio=settings.max_padding_ratio)
+        self.cost_samples: list[tuple[int, int, float]] = []
         self.cost_model = self._cost_model()
+        #: Called after every forward pass with (rows, padded length, seconds): the scheduler learns from them.
+        self.pass_observers: list[Callable[[int, int, float], None]] = []
         self.cache = cache if cache is not None and cache.enabled else None
         self.shared = shared
         if (self.cache is not None or shared is not None) and len(fingerprint) < 16:
@@ -113,6 +116,7 @@ class EmbeddingPipeline:
         model, samples = calibrate(self.runtime, max_rows=self.settings.max_batch_rows,
                                    max_tokens=self.settings.max_batch_tokens,
                                    max_length=self.settings.max_sequence_length)
+        self.cost_samples = samples
         self.logger.info(
             f"cost model calibrated in {time.perf_counter() - start:.2f} s: a,b,c = {model} "
             f"(set parameter cost_model to '{model}' to skip calibration); samples (rows, len, s): "
@@ -137,13 +141,9 @@ class EmbeddingPipeline:
         texts: list[str] = []
         spans: list[tuple[int, int, int]] = []  # (request index, first row, end row) in `texts`
         for index, request in enumerate(requests):
-            if isinstance(request, CoalesceError):
-                results[index] = request
-                continue
-            try:
-                decoded = self._decode(request)
-            except InvalidInputError as exc:
-                results[index] = exc
+            decoded = self.decode(request)
+            if isinstance(decoded, CoalesceError):
+                results[index] = decoded
                 continue
             spans.append((index, len(texts), len(texts) + len(decoded)))
             texts.extend(decoded)
@@ -196,6 +196,8 @@ class EmbeddingPipeline:
                 infer_s += time.perf_counter() - ta
                 continue
             tb = time.perf_counter()
+            for observe in self.pass_observers:
+                observe(len(plan.rows), plan.padded_length, tb - ta)
             computed[todo[plan.rows]] = pool(hidden, mask, mode=self.settings.pooling,
                                              normalize=self.settings.normalize)
             done[plan.rows] = True
@@ -251,6 +253,19 @@ class EmbeddingPipeline:
                 self.metrics.cache_resident_bytes.set(self.cache.resident_bytes)
             missing = [i for i, vector in zip(missing, shared, strict=True) if vector is None]
         return np.array(missing, dtype=np.intp), keys
+
+    def decode(self, request: RequestInput) -> list[str] | CoalesceError:
+        """One request's texts, or the error it is to be answered with."""
+        if isinstance(request, CoalesceError):
+            return request
+        try:
+            return self._decode(request)
+        except InvalidInputError as exc:
+            return exc
+
+    def token_lengths(self, texts: Sequence[str]) -> np.ndarray:
+        """Token length of each text after truncation (what a pass over it costs)."""
+        return self.tokenizer.encode(list(texts)).lengths
 
     def _decode(self, rows: Sequence[bytes | str]) -> list[str]:
         if len(rows) == 0:

@@ -18,6 +18,7 @@ from coalesce.errors import ConfigError
 RUNTIME_CHOICES: Final = ("auto", "onnxruntime")
 POOLING_CHOICES: Final = ("mean", "cls")
 PLANNER_CHOICES: Final = ("dp", "greedy")
+SCHEDULING_CHOICES: Final = ("triton", "adaptive")
 REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
 _TRUE: Final = frozenset({"true", "1", "yes", "on"})
 _FALSE: Final = frozenset({"false", "0", "no", "off"})
@@ -84,6 +85,26 @@ class Settings:
         2.0, "After a Redis error, seconds the model serves without Redis before trying it again.",
         low=0.0, high=3600.0)
     redis_key_prefix: str = _spec("coalesce:", "Prefix of every key this model writes to Redis.")
+    scheduling: str = _spec(
+        "triton", "Who forms batches: `triton` runs each batch Triton's dynamic batcher hands over; `adaptive` "
+        "queues every request in the backend and dispatches by deadline and the learned cost model (set "
+        "Triton's max_queue_delay_microseconds to 0).", choices=SCHEDULING_CHOICES)
+    target_p99_ms: float = _spec(
+        200.0, "Adaptive: latency target per request in the backend, in ms; a request's own timeout, when "
+        "shorter, wins. Requests that cannot meet it are refused at once with UNAVAILABLE.", low=1.0, high=3_600_000.0)
+    max_queue_rows: int = _spec(4096, "Adaptive: most rows queued; past it requests get UNAVAILABLE.",
+                                low=1, high=1 << 24)
+    max_dispatch_rows: int = _spec(
+        64, "Adaptive: most rows the scheduler runs together (the planner still cuts them into passes of at "
+        "most max_batch_rows).", low=1, high=65536)
+    tenant_weights: str = _spec(
+        "", "Adaptive: fair-queuing weights `tenant:weight,...` (request parameter `tenant`); unlisted tenants "
+        "weigh 1.")
+    tenant_max_rows_per_s: str = _spec(
+        "", "Adaptive: row-rate limits `tenant:rows_per_s,...`; a tenant over its limit gets UNAVAILABLE.")
+    default_priority: int = _spec(
+        1, "Adaptive: priority level of requests that set none (Triton's convention: 1 is the highest).",
+        low=1, high=1_000_000)
     pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls`.",
                          choices=POOLING_CHOICES)
     normalize: bool = _spec(True, "L2-normalise each embedding.")
@@ -163,6 +184,14 @@ class Settings:
         if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
             raise ConfigError(f"model '{self.model_name}': parameter 'redis_url' has bad value '{self.redis_url}': "
                               f"expected a URL starting with {', '.join(REDIS_SCHEMES)}")
+        from coalesce.scheduler import parse_tenant_map
+
+        for key in ("tenant_weights", "tenant_max_rows_per_s"):
+            try:
+                parse_tenant_map(getattr(self, key), what=key)
+            except ValueError as exc:
+                raise ConfigError(f"model '{self.model_name}': parameter '{key}' has bad value "
+                                  f"'{getattr(self, key)}': {exc}") from None
         if self.max_batch_tokens < self.max_sequence_length:
             raise ConfigError(
                 f"model '{self.model_name}': parameter 'max_batch_tokens' (value '{self.max_batch_tokens}') "

@@ -49,7 +49,8 @@ class RedisTier:
     """A Redis-backed tier of row vectors of one width; thread-safe, fail-open.
 
     ``get_many`` costs one round trip (``MGET``) per batch; ``put_many`` hands the rows
-    to a writer thread that stores each batch in one pipelined round trip.
+    to a writer thread that stores everything queued in one round trip (``MSET``, or a
+    pipeline of ``SET ... PX`` with a time to live).
     """
 
     def __init__(self, url: str, *, dim: int, timeout_s: float, retry_s: float, ttl_s: float = 0.0,
@@ -175,24 +176,30 @@ class RedisTier:
             with self._pending_cond:
                 while not self._pending:
                     self._pending_cond.wait()
-                item = self._pending.popleft()
-                if item is None:
-                    return
-                self._busy += 1
+                # Everything queued so far goes in one round trip: fewer wake-ups and syscalls under load.
+                items = []
+                while self._pending and self._pending[0] is not None:
+                    items.append(self._pending.popleft())
+                stop = not items
+                self._busy += len(items)
+            if stop:
+                return
+            rows = [(key, row) for item in items if item is not None for key, row in zip(*item, strict=True)]
             try:
-                keys, batch = item
                 if self.available:
-                    self._call("set", self._store, keys, batch)
+                    self._call("set", self._store, rows)
                 else:
-                    self._count("shared_cache_skipped_rows", len(keys))
+                    self._count("shared_cache_skipped_rows", len(rows))
             finally:
                 with self._pending_cond:
-                    self._busy -= 1
+                    self._busy -= len(items)
                     self._pending_cond.notify_all()
 
-    def _store(self, keys: list[bytes], batch: np.ndarray) -> Any:
+    def _store(self, rows: list[tuple[bytes, np.ndarray]]) -> Any:
+        if self.ttl_ms is None:
+            return self._client.mset({self._prefix + key: row.tobytes() for key, row in rows})
         pipe = self._client.pipeline(transaction=False)
-        for key, row in zip(keys, batch, strict=True):
+        for key, row in rows:
             pipe.set(self._prefix + key, row.tobytes(), px=self.ttl_ms)
         return pipe.execute()
 

@@ -1,0 +1,404 @@
+"""The adaptive scheduling policy: pure functions of the queue, the cost model and ``now``.
+
+With ``scheduling: adaptive`` Triton's own queue delay is 0 and every request lands in
+the backend's queue at once; this module decides what to do with it. Nothing here
+reads a clock, starts a thread or knows Triton: every method takes ``now`` (seconds on
+a monotonic clock), so the policy is tested deterministically on a simulated clock and
+driven by ``coalesce.serving`` in a server.
+
+The policy, in short:
+
+- **Order.** Triton priority level first (1 is the highest; lower numbers go first),
+  then weighted fair queuing across tenants (self-clocked: each job's virtual finish is
+  ``max(V, tenant's last finish) + rows / weight``), then arrival. One noisy tenant only
+  lengthens its own queue.
+- **Admission.** A job is rejected at once when its tenant is over its row-rate limit,
+  when the queue's row bound is reached, or when the work ordered ahead of it (what is
+  running now, then every queued job that goes first) plus its own predicted run time
+  ends past its deadline. Deadlines are ``arrival + target`` or the request's own
+  timeout, whichever is sooner.
+- **Dispatch.** When the executor is free: drop cancelled jobs and those that can no
+  longer finish in time, then take jobs in order up to ``max_dispatch_rows``. Waiting
+  for more rows pays only by merging them into this pass, which saves the pass's fixed
+  cost ``a``; with arrivals at rate ``λ`` rows/s (measured from recent gaps), waiting
+  ``δ`` saves ``a (1 - e^{-λδ})`` of executor time and costs ``δ`` of it, so the best
+  wait is ``δ* = ln(aλ)/λ`` when ``aλ > 1`` and none otherwise. It is taken from the
+  last arrival, and only while every job in the pass still meets its deadline after it.
+  On a CPU ``a`` is small and the policy dispatches at once; on a GPU ``a`` dominates
+  and it waits while requests keep arriving faster than one per ``a``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from coalesce.costmodel import CostModel
+
+#: Triton's priority levels: 1 is the highest; 0 means "the model's default level".
+DEFAULT_PRIORITY: Final = 0
+#: Weight of the arrival-gap moving average (per arrival).
+RATE_EWMA_WEIGHT: Final = 0.2
+#: Weight of the cost model's relative-error moving average (per observed pass).
+ERROR_EWMA_WEIGHT: Final = 0.1
+#: Longest predicted run of one dispatch, as a share of the latency target.
+MAX_DISPATCH_SHARE_OF_TARGET: Final = 0.5
+#: The default tenant of requests that name none.
+DEFAULT_TENANT: Final = "default"
+
+
+class Rejection(enum.Enum):
+    """Why a job was answered without being computed; ``value`` is the metric label."""
+
+    DEADLINE = "deadline"      # at admission: the queue ahead of it makes it miss its deadline
+    QUEUE_FULL = "queue_full"  # at admission: max_queue_rows reached
+    RATE_LIMIT = "rate_limit"  # at admission: its tenant is over its row-rate limit
+    EXPIRED = "expired"        # at dispatch: can no longer finish in time
+    CANCELLED = "cancelled"    # at dispatch: the client cancelled it
+
+
+@dataclasses.dataclass
+class Job:
+    """One request in the backend's queue, as the policy sees it.
+
+    Attributes:
+        seq: Arrival order, unique.
+        arrival_s: When it reached the backend.
+        deadline_s: When its answer is due.
+        rows: Texts in it.
+        tokens: Sum of its rows' token lengths.
+        max_length: Its longest row, in tokens.
+        tenant: Fair-queuing class.
+        priority: Triton priority level (1 highest), after mapping 0 to the default level.
+        payload: The adapter's own data (request, response sender); never read here.
+        is_cancelled: Asks whether the client has cancelled it.
+        virtual_finish: Fair-queuing tag, set at admission.
+    """
+
+    seq: int
+    arrival_s: float
+    deadline_s: float
+    rows: int
+    tokens: int
+    max_length: int
+    tenant: str = DEFAULT_TENANT
+    priority: int = 1
+    payload: Any = None
+    is_cancelled: Callable[[], bool] | None = None
+    virtual_finish: float = 0.0
+
+    def order_key(self) -> tuple[int, float, int]:
+        """Service order: priority level, then fair-queuing finish tag, then arrival."""
+        return (self.priority, self.virtual_finish, self.seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What the policy is asked to achieve, from the model's settings."""
+
+    target_s: float
+    max_queue_rows: int
+    max_dispatch_rows: int
+    max_batch_rows: int
+    tenant_weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    tenant_max_rows_per_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    default_priority: int = 1
+    #: Fraction added to predicted run times before comparing them with deadlines.
+    safety: float = 0.1
+
+    def weight(self, tenant: str) -> float:
+        """Fair-queuing weight of ``tenant`` (1 unless configured)."""
+        return self.tenant_weights.get(tenant, 1.0)
+
+
+class CostEstimator:
+    """Predicted run time of a dispatch, from a cost model that keeps learning.
+
+    Starts from the model calibrated at load (and its samples); every observed forward
+    pass is added to a window, and the model is refitted every ``refit_every`` passes.
+    ``error`` is the moving average of ``|actual - predicted| / actual`` per pass.
+    """
+
+    def __init__(self, model: CostModel, samples: Iterable[tuple[int, int, float]] = (), *,
+                 window: int = 256, refit_every: int = 32) -> None:
+        """Start from ``model``; ``samples`` (rows, length, seconds) seed the refits."""
+        self.model = model
+        self._seed = list(samples)
+        self._recent: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=window)
+        self._refit_every = refit_every
+        self._since_fit = 0
+        self.error = 0.0
+        self.observed = 0
+
+    def pass_s(self, rows: int, length: int) -> float:
+        """Predicted seconds of one forward pass."""
+        return float(self.model.predict_s(rows, length))
+
+    def work_s(self, rows: int, tokens: int, max_length: int, max_batch_rows: int) -> float:
+        """Predicted seconds to compute ``rows`` rows of ``tokens`` tokens in all, none longer than ``max_length``.
+
+        The planner pads each pass to its own longest row; with rows sorted by length
+        the padding is small, so tokens are counted as they are, with the quadratic
+        (attention) term at the rows' mean length, and one fixed cost per pass.
+        """
+        if rows <= 0:
+            return 0.0
+        m = self.model
+        mean_length = tokens / rows
+        passes = math.ceil(rows / max_batch_rows)
+        return m.a_s * passes + m.b_s * tokens + m.c_s * tokens * min(mean_length, max_length)
+
+    def observe(self, rows: int, length: int, seconds: float) -> None:
+        """Learn from one forward pass that took ``seconds``."""
+        predicted = self.pass_s(rows, length)
+        if seconds > 0:
+            error = abs(seconds - predicted) / seconds
+            self.error = error if self.observed == 0 else (
+                (1 - ERROR_EWMA_WEIGHT) * self.error + ERROR_EWMA_WEIGHT * error)
+        self.observed += 1
+        self._recent.append((rows, length, seconds))
+        self._since_fit += 1
+        if self._since_fit >= self._refit_every:
+            self._since_fit = 0
+            self.model = CostModel.fit([*self._seed, *self._recent])
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A dispatch as planned: its jobs, when it would end, its predicted run time, and its earliest deadline."""
+
+    jobs: list[Job]
+    end_s: float
+    work_s: float
+    due_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """Run these jobs now, together."""
+
+    jobs: list[Job]
+    predicted_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """Nothing to run before ``until_s`` unless a job arrives (``until_s`` is inf when the queue is empty)."""
+
+    until_s: float
+
+
+class _TokenBucket:
+    def __init__(self, rate: float, now: float) -> None:
+        self.rate = rate
+        self.capacity = rate  # one second of traffic as burst
+        self.level = rate
+        self.stamp = now
+
+    def take(self, amount: float, now: float) -> bool:
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        # A request larger than the whole bucket may pass when the bucket is full, so it is not refused forever.
+        if amount <= self.level or self.level >= self.capacity:
+            self.level -= amount
+            return True
+        return False
+
+
+class AdaptiveQueue:
+    """The backend's queue under the adaptive policy (not thread-safe: ``coalesce.serving`` holds a lock)."""
+
+    def __init__(self, config: SchedulerConfig, cost: CostEstimator) -> None:
+        """An empty queue."""
+        self.config = config
+        self.cost = cost
+        self._jobs: list[Job] = []
+        self._rows = 0
+        self._virtual_time = 0.0
+        self._last_finish: dict[str, float] = {}
+        self._buckets: dict[str, _TokenBucket] = {}
+        self._last_arrival_s: float | None = None
+        self._gap_per_row_s: float | None = None
+        self._seq = 0
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Jobs queued."""
+        return len(self._jobs)
+
+    @property
+    def rows(self) -> int:
+        """Rows queued."""
+        return self._rows
+
+    @property
+    def arrival_rate_rows_per_s(self) -> float:
+        """Recent arrival rate, from the moving average of the gaps between arrivals (0 before two arrivals)."""
+        if not self._gap_per_row_s:
+            return 0.0 if self._gap_per_row_s is None else math.inf
+        return 1.0 / self._gap_per_row_s
+
+    def next_seq(self) -> int:
+        """A fresh arrival number."""
+        self._seq += 1
+        return self._seq
+
+    def job_work_s(self, job: Job) -> float:
+        """Predicted seconds of ``job`` alone."""
+        return self.cost.work_s(job.rows, job.tokens, job.max_length, self.config.max_batch_rows)
+
+    # -- admission ------------------------------------------------------------------------------------
+
+    def admit(self, job: Job, now: float, busy_until_s: float) -> Rejection | None:
+        """Queue ``job``, or say why it is refused; ``busy_until_s`` is when the running dispatch should end."""
+        self._note_arrival(now, job.rows)
+        limit = self.config.tenant_max_rows_per_s.get(job.tenant)
+        if limit is not None:
+            bucket = self._buckets.get(job.tenant)
+            if bucket is None:
+                bucket = self._buckets[job.tenant] = _TokenBucket(limit, now)
+            if not bucket.take(job.rows, now):
+                return Rejection.RATE_LIMIT
+        if self._rows + job.rows > self.config.max_queue_rows:
+            return Rejection.QUEUE_FULL
+        start = max(self._virtual_time, self._last_finish.get(job.tenant, 0.0))
+        job.virtual_finish = start + job.rows / self.config.weight(job.tenant)
+        if self.predicted_finish_s(job, now, busy_until_s) > job.deadline_s:
+            return Rejection.DEADLINE
+        self._last_finish[job.tenant] = job.virtual_finish
+        self._jobs.append(job)
+        self._rows += job.rows
+        return None
+
+    def predicted_finish_s(self, job: Job, now: float, busy_until_s: float) -> float:
+        """When ``job`` would be answered if queued now: the dispatches planned ahead of it, then its own."""
+        ordered = sorted([*self._jobs, job], key=Job.order_key)
+        for group in self.plan(ordered, max(now, busy_until_s)):
+            if any(j is job for j in group.jobs):
+                return group.end_s
+        raise AssertionError("unreachable: every job is in a group")
+
+    def plan(self, ordered: list[Job], start_s: float) -> Iterator[Group]:
+        """Cut jobs, in service order, into the dispatches the policy would run back to back from ``start_s``.
+
+        A dispatch answers every job at its end, so a later job joins one only while
+        it fits ``max_dispatch_rows``, the dispatch stays within half the target, and
+        every job in it, the new one included, still ends by its deadline; otherwise it
+        starts the next dispatch. Admission and
+        dispatch plan alike, so what admission promised is what dispatch keeps.
+        """
+        margin = 1 + self.config.safety
+        limit_rows, pass_rows = self.config.max_dispatch_rows, self.config.max_batch_rows
+        # Dispatches are not preempted: keeping each within half the target leaves a request that
+        # arrives just as one starts (a quiet tenant's, a higher priority's) half its budget.
+        longest_run = self.config.target_s * MAX_DISPATCH_SHARE_OF_TARGET
+        group: list[Job] = []
+        rows = tokens = longest = 0
+        due = math.inf
+        work = 0.0
+        for job in ordered:
+            if group:
+                with_job = self.cost.work_s(rows + job.rows, tokens + job.tokens, max(longest, job.max_length),
+                                            pass_rows)
+                if (rows + job.rows <= limit_rows and with_job * margin <= longest_run
+                        and start_s + with_job * margin <= min(due, job.deadline_s)):
+                    group.append(job)
+                    rows, tokens, longest = rows + job.rows, tokens + job.tokens, max(longest, job.max_length)
+                    due, work = min(due, job.deadline_s), with_job
+                    continue
+                yield Group(group, start_s + work * margin, work, due)
+                start_s += work * margin
+            group, rows, tokens, longest, due = [job], job.rows, job.tokens, job.max_length, job.deadline_s
+            work = self.cost.work_s(rows, tokens, longest, pass_rows)
+        if group:
+            yield Group(group, start_s + work * margin, work, due)
+
+    def _note_arrival(self, now: float, rows: int) -> None:
+        if self._last_arrival_s is not None:
+            gap = max(0.0, now - self._last_arrival_s) / max(rows, 1)
+            self._gap_per_row_s = gap if self._gap_per_row_s is None else (
+                (1 - RATE_EWMA_WEIGHT) * self._gap_per_row_s + RATE_EWMA_WEIGHT * gap)
+        self._last_arrival_s = now
+
+    # -- dispatch -------------------------------------------------------------------------------------
+
+    def purge(self, now: float) -> list[tuple[Job, Rejection]]:
+        """Remove and return the jobs that can no longer finish by their deadline, even alone.
+
+        Cancellation is asked of the jobs a dispatch takes, just before they run
+        (``coalesce.serving``): asking every queued job on every wake-up would cost a
+        round trip to the server each.
+        """
+        dropped: list[tuple[Job, Rejection]] = []
+        kept: list[Job] = []
+        for job in self._jobs:
+            if now + self.job_work_s(job) > job.deadline_s:
+                dropped.append((job, Rejection.EXPIRED))
+            else:
+                kept.append(job)
+        if dropped:
+            self._jobs = kept
+            self._rows = sum(j.rows for j in kept)
+        return dropped
+
+    def optimal_wait_s(self) -> float:
+        """``δ*``: how long after the last arrival waiting for more rows still pays (0: it does not)."""
+        a = self.cost.model.a_s
+        rate = self.arrival_rate_rows_per_s
+        if math.isinf(rate):
+            return a  # arrivals closer together than the clock resolves: a burst is still coming
+        if a * rate <= 1.0:
+            return 0.0
+        return math.log(a * rate) / rate
+
+    def decide(self, now: float) -> Dispatch | Wait:
+        """With the executor free: what to run now, or until when to wait (call ``purge`` first)."""
+        if not self._jobs:
+            return Wait(math.inf)
+        ordered = sorted(self._jobs, key=Job.order_key)
+        first = next(self.plan(ordered, now))
+        full = len(first.jobs) < len(ordered) or sum(j.rows for j in first.jobs) >= self.config.max_dispatch_rows
+        if not full and self._last_arrival_s is not None:
+            until = self._last_arrival_s + self.optimal_wait_s()
+            # Waiting must leave every job of the dispatch time to finish: its deadline, less the run, less the margin.
+            if now < until <= first.due_s - first.work_s * (1 + self.config.safety):
+                return Wait(until)
+        return self._take(first.jobs, first.work_s)
+
+    def _take(self, chosen: list[Job], predicted: float) -> Dispatch:
+        taken = {id(j) for j in chosen}
+        self._jobs = [j for j in self._jobs if id(j) not in taken]
+        self._rows -= sum(j.rows for j in chosen)
+        self._virtual_time = max(self._virtual_time, max(j.virtual_finish for j in chosen))
+        # Tenants with nothing queued and a finish tag behind virtual time need no state.
+        for tenant in [t for t, f in self._last_finish.items() if f <= self._virtual_time]:
+            if not any(j.tenant == tenant for j in self._jobs):
+                del self._last_finish[tenant]
+        return Dispatch(chosen, predicted)
+
+
+def parse_tenant_map(text: str, *, what: str) -> dict[str, float]:
+    """Parse ``"name:value,name:value"`` into a mapping of positive numbers.
+
+    Raises:
+        ValueError: On a malformed entry or a value that is not a positive number; the
+            message names ``what`` and the entry.
+    """
+    out: dict[str, float] = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, sep, value = entry.rpartition(":")
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not sep or not name or not np.isfinite(number) or number <= 0:
+            raise ValueError(f"{what} entry '{entry}' is not 'tenant:positive number'")
+        out[name.strip()] = number
+    return out

@@ -1,0 +1,296 @@
+"""The adaptive scheduler's thread: requests in from ``execute``, answers out through their responders.
+
+``execute`` hands each request over as a ``Submission`` and returns at once; this
+module admits it under the policy of ``coalesce.scheduler`` (answering a refusal at
+once), and one scheduler thread runs the dispatches the policy chooses through the
+embedding pipeline, answering every request through its own ``respond`` callable (in
+a server, the request's response sender). Every accepted request gets exactly one
+answer: its embeddings, or an error with a Triton code. Runs without Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from coalesce.errors import CancelledError, CoalesceError, InvalidInputError, UnavailableError
+from coalesce.log import Logger
+from coalesce.metrics import SchedulerMetrics
+from coalesce.pipeline import EmbeddingPipeline, RequestInput, RequestResult
+from coalesce.scheduler import (
+    DEFAULT_PRIORITY,
+    DEFAULT_TENANT,
+    AdaptiveQueue,
+    CostEstimator,
+    Dispatch,
+    Job,
+    Rejection,
+    SchedulerConfig,
+    parse_tenant_map,
+)
+from coalesce.settings import Settings
+
+#: Distinct tenant label values kept in metrics; later tenants are counted as "other".
+MAX_TENANT_LABELS: Final = 32
+
+
+@dataclasses.dataclass
+class Submission:
+    """One request as ``execute`` hands it over.
+
+    Attributes:
+        rows: Its raw rows, or the error found while reading it.
+        respond: Sends its one answer (embeddings or error); called exactly once.
+        tenant: Fair-queuing class (request parameter ``tenant``).
+        priority: Triton priority level (0: the model's default).
+        timeout_s: The request's own timeout (0: none).
+        is_cancelled: Whether the client has cancelled it.
+    """
+
+    rows: RequestInput
+    respond: Callable[[RequestResult], None]
+    tenant: str = DEFAULT_TENANT
+    priority: int = DEFAULT_PRIORITY
+    timeout_s: float = 0.0
+    is_cancelled: Callable[[], bool] | None = None
+
+
+#: Request parameters the adaptive scheduler reads (clients set them per request).
+TENANT_PARAMETER: Final = "tenant"
+PRIORITY_PARAMETER: Final = "priority"
+#: Longest tenant name accepted.
+MAX_TENANT_CHARS: Final = 128
+
+
+def scheduler_config(settings: Settings) -> SchedulerConfig:
+    """The policy's configuration from the model's settings."""
+    return SchedulerConfig(
+        target_s=settings.target_p99_ms / 1000, max_queue_rows=settings.max_queue_rows,
+        max_dispatch_rows=settings.max_dispatch_rows, max_batch_rows=settings.max_batch_rows,
+        tenant_weights=parse_tenant_map(settings.tenant_weights, what="tenant_weights"),
+        tenant_max_rows_per_s=parse_tenant_map(settings.tenant_max_rows_per_s, what="tenant_max_rows_per_s"),
+        default_priority=settings.default_priority)
+
+
+def read_parameters(parameters_json: str) -> tuple[str, int] | InvalidInputError:
+    """``(tenant, priority)`` from a request's parameters (JSON, as Triton hands them over), or the error.
+
+    Triton 2.51's Python backend does not expose a request's priority level to the
+    model, so the adaptive scheduler reads a ``priority`` request parameter (1 is the
+    highest, as in Triton; 0 or absent: the model's ``default_priority``).
+    """
+    try:
+        parameters = json.loads(parameters_json) if parameters_json else {}
+    except ValueError:
+        return InvalidInputError(f"request parameters are not valid JSON: {parameters_json[:100]!r}")
+    if not isinstance(parameters, dict):
+        return InvalidInputError("request parameters must be a JSON object")
+    tenant = parameters.get(TENANT_PARAMETER, DEFAULT_TENANT)
+    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_CHARS:
+        return InvalidInputError(f"request parameter '{TENANT_PARAMETER}' must be a non-empty string of at most "
+                                 f"{MAX_TENANT_CHARS} characters, got {tenant!r}")
+    priority = parameters.get(PRIORITY_PARAMETER, DEFAULT_PRIORITY)
+    if isinstance(priority, str) and priority.strip().isdigit():
+        priority = int(priority)
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        return InvalidInputError(f"request parameter '{PRIORITY_PARAMETER}' must be an integer >= 0 "
+                                 f"(1 is the highest level), got {priority!r}")
+    return tenant, priority
+
+
+def rejection_error(reason: Rejection, job: Job, now: float, detail: str = "") -> CoalesceError:
+    """The error a refused job is answered with, saying why."""
+    if reason is Rejection.CANCELLED:
+        return CancelledError("request was cancelled before it was computed")
+    budget_ms = (job.deadline_s - job.arrival_s) * 1000
+    if reason is Rejection.DEADLINE:
+        return UnavailableError(f"request cannot meet its deadline of {budget_ms:.0f} ms: {detail}; "
+                                "retry later or with a longer timeout")
+    if reason is Rejection.EXPIRED:
+        return UnavailableError(f"request can no longer meet its deadline of {budget_ms:.0f} ms after "
+                                f"{(now - job.arrival_s) * 1000:.0f} ms in the queue")
+    if reason is Rejection.QUEUE_FULL:
+        return UnavailableError(f"queue is full ({detail}); retry later")
+    return UnavailableError(f"tenant '{job.tenant}' is over its rate limit ({detail}); retry later")
+
+
+class AdaptiveScheduler:
+    """Owns the backend's queue and the thread that dispatches from it; thread-safe ``submit``."""
+
+    def __init__(self, pipeline: EmbeddingPipeline, config: SchedulerConfig, metrics: SchedulerMetrics,
+                 logger: Logger | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """Start the scheduler thread over ``pipeline``."""
+        self.pipeline = pipeline
+        self.config = config
+        self.metrics = metrics
+        self.logger = logger or Logger(pipeline.settings.model_name)
+        self._clock = clock
+        self.cost = CostEstimator(pipeline.cost_model, pipeline.cost_samples)
+        pipeline.pass_observers.append(self._observe_pass)
+        self.queue = AdaptiveQueue(config, self.cost)
+        self._cond = threading.Condition()
+        self._busy_until_s = 0.0
+        self._closing = False
+        self._tenant_labels: set[str] = set()
+        self._thread = threading.Thread(target=self._loop, name="coalesce-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- from execute ---------------------------------------------------------------------------------
+
+    def submit(self, submissions: Sequence[Submission]) -> None:
+        """Queue the requests of one ``execute``; refusals and bad input are answered before this returns."""
+        now = self._clock()
+        prepared: list[tuple[Submission, list[str], int, int]] = []
+        for sub in submissions:
+            texts = self.pipeline.decode(sub.rows)
+            if isinstance(texts, CoalesceError):
+                self._answer(sub.respond, texts)
+                continue
+            lengths = self.pipeline.token_lengths(texts)
+            prepared.append((sub, texts, int(lengths.sum()), int(lengths.max())))
+        refused: list[tuple[Submission, CoalesceError]] = []
+        with self._cond:
+            if self._closing:
+                refused = [(s, UnavailableError("model is unloading")) for s, *_ in prepared]
+                prepared = []
+            for sub, texts, tokens, longest in prepared:
+                job = self._job(sub, texts, tokens, longest, now)
+                reason = self.queue.admit(job, now, self._busy_until_s)
+                if reason is None:
+                    continue
+                refused.append((sub, rejection_error(reason, job, now, self._detail(reason, job, now))))
+                self.metrics.rejections[reason.value].increment(1)
+            self._set_depth()
+            self._cond.notify_all()
+        for sub, error in refused:
+            self._answer(sub.respond, error)
+
+    def _job(self, sub: Submission, texts: list[str], tokens: int, longest: int, now: float) -> Job:
+        target = self.config.target_s
+        budget = min(target, sub.timeout_s) if sub.timeout_s > 0 else target
+        priority = sub.priority if sub.priority > 0 else self.config.default_priority
+        return Job(seq=self.queue.next_seq(), arrival_s=now, deadline_s=now + budget, rows=len(texts),
+                   tokens=tokens, max_length=longest, tenant=sub.tenant or DEFAULT_TENANT, priority=priority,
+                   payload=(sub, texts), is_cancelled=sub.is_cancelled)
+
+    def _detail(self, reason: Rejection, job: Job, now: float) -> str:
+        if reason is Rejection.DEADLINE:
+            finish = self.queue.predicted_finish_s(job, now, self._busy_until_s)
+            return (f"{len(self.queue)} request(s) with {self.queue.rows} row(s) queued, predicted answer in "
+                    f"{(finish - now) * 1000:.0f} ms")
+        if reason is Rejection.QUEUE_FULL:
+            return f"{self.queue.rows} rows queued, limit {self.config.max_queue_rows} (parameter 'max_queue_rows')"
+        if reason is Rejection.RATE_LIMIT:
+            return f"{self.config.tenant_max_rows_per_s[job.tenant]:g} rows/s"
+        return ""
+
+    # -- the scheduler thread -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                dispatch = None
+                while dispatch is None:
+                    if self._closing and not len(self.queue):
+                        return
+                    now = self._clock()
+                    dropped = self.queue.purge(now)
+                    if dropped:
+                        break
+                    decision = self.queue.decide(now) if not self._closing else self._drain(now)
+                    if isinstance(decision, Dispatch):
+                        dispatch = decision
+                        self._busy_until_s = now + decision.predicted_s * (1 + self.config.safety)
+                    else:
+                        self._cond.wait(None if math.isinf(decision.until_s) else max(0.0, decision.until_s - now))
+                self._set_depth()
+            if dispatch is None:
+                for job, reason in dropped:
+                    self.metrics.rejections[reason.value].increment(1)
+                    sub, _ = job.payload
+                    self._answer(sub.respond, rejection_error(reason, job, now))
+                continue
+            self._run(dispatch, now)
+
+    def _drain(self, now: float) -> Dispatch:
+        # Unloading: whatever is queued runs now, without waiting for more.
+        decision = self.queue.decide(math.inf)
+        assert isinstance(decision, Dispatch)
+        return decision
+
+    def _run(self, dispatch: Dispatch, started: float) -> None:
+        metrics = self.metrics
+        # Asked here rather than on every wake-up: each question is a round trip to the server.
+        jobs = []
+        for job in dispatch.jobs:
+            if job.is_cancelled is not None and job.is_cancelled():
+                metrics.rejections[Rejection.CANCELLED.value].increment(1)
+                self._answer(job.payload[0].respond, rejection_error(Rejection.CANCELLED, job, started))
+            else:
+                jobs.append(job)
+        if not jobs:
+            with self._cond:
+                self._busy_until_s = 0.0
+            return
+        rows = sum(j.rows for j in jobs)
+        metrics.dispatch_rows.observe(rows)
+        metrics.predicted_seconds.observe(dispatch.predicted_s)
+        for job in jobs:
+            metrics.wait_seconds.observe(started - job.arrival_s)
+        t0 = time.perf_counter()
+        try:
+            results = self.pipeline.embed([job.payload[1] for job in jobs])
+        except Exception as exc:  # every request still gets an answer
+            self.logger.error(f"dispatch of {len(jobs)} request(s) failed: {exc!r}")
+            results = [CoalesceError(f"internal error: {exc}") for _ in jobs]
+        actual = time.perf_counter() - t0
+        metrics.actual_seconds.observe(actual)
+        metrics.cost_model_error.set(self.cost.error)
+        done = self._clock()
+        with self._cond:
+            self._busy_until_s = 0.0
+        for job, result in zip(jobs, results, strict=True):
+            sub, _ = job.payload
+            tenant = self._tenant_label(job.tenant)
+            if isinstance(result, CoalesceError):
+                metrics.tenant_failures(tenant).increment(1)
+            else:
+                metrics.tenant_rows(tenant).increment(job.rows)
+            metrics.tenant_latency(tenant).observe(done - job.arrival_s)
+            self._answer(sub.respond, result)
+
+    def _observe_pass(self, rows: int, length: int, seconds: float) -> None:
+        self.cost.observe(rows, length, seconds)
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _answer(self, respond: Callable[[RequestResult], None], result: RequestResult) -> None:
+        try:
+            respond(result)
+        except Exception as exc:  # one broken stream must not stop the others
+            self.logger.error(f"sending a response failed: {exc!r}")
+
+    def _tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenant_labels:
+            return tenant
+        if len(self._tenant_labels) < MAX_TENANT_LABELS:
+            self._tenant_labels.add(tenant)
+            return tenant
+        return "other"
+
+    def _set_depth(self) -> None:
+        self.metrics.queue_requests.set(len(self.queue))
+        self.metrics.queue_rows.set(self.queue.rows)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Answer what is queued (computed, not dropped), then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+

@@ -1,0 +1,188 @@
+"""The adaptive scheduler's thread over a real pipeline (deterministic encoder): every request answered once."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from coalesce.errors import CancelledError, InvalidInputError, UnavailableError
+from coalesce.metrics import InMemoryMetricFactory, PipelineMetrics, SchedulerMetrics
+from coalesce.pipeline import EmbeddingPipeline
+from coalesce.serving import AdaptiveScheduler, Submission, read_parameters, scheduler_config
+from coalesce.settings import Settings
+from coalesce.tokenizer import TextTokenizer
+from tests.unit.test_pipeline import DIM, TableRuntime, enc
+
+
+@pytest.fixture(scope="module")
+def tokenizer(version_dir):
+    return TextTokenizer(version_dir / "tokenizer.json", 256)
+
+
+class Answers:
+    """Collects answers; fails the test on a second answer to the same request."""
+
+    def __init__(self):
+        self.results = {}
+        self.lock = threading.Lock()
+        self.all_in = threading.Event()
+        self.expected = None
+
+    def responder(self, key):
+        def respond(result):
+            with self.lock:
+                assert key not in self.results, f"request {key} answered twice"
+                self.results[key] = result
+                if self.expected is not None and len(self.results) >= self.expected:
+                    self.all_in.set()
+        return respond
+
+    def wait(self, count, timeout_s=60):
+        with self.lock:
+            self.expected = count
+            if len(self.results) >= count:
+                self.all_in.set()
+        assert self.all_in.wait(timeout_s), f"only {len(self.results)} of {count} answers arrived"
+
+
+def make_scheduler(tokenizer, runtime=None, **params):
+    params = {"cost_model": "0.001,0.0001,0", "scheduling": "adaptive", **params}
+    settings = Settings.from_parameters({k: str(v) for k, v in params.items()}, model_name="m",
+                                        max_batch_size=64, embedding_dim=DIM)
+    factory = InMemoryMetricFactory()
+    pipeline = EmbeddingPipeline(settings, runtime or TableRuntime(), tokenizer,
+                                 PipelineMetrics(factory, model="m", version="1"))
+    scheduler = AdaptiveScheduler(pipeline, scheduler_config(settings),
+                                  SchedulerMetrics(factory, model="m", version="1"))
+    return scheduler, factory
+
+
+def test_every_request_from_many_threads_gets_its_own_answer(tokenizer):
+    scheduler, factory = make_scheduler(tokenizer, target_p99_ms=60_000)
+    reference, _ = make_scheduler(tokenizer)
+    answers = Answers()
+    requests = {(t, i): [f"thread {t} text {i}", f"shared text {i % 3}"][: 1 + i % 2] for t in range(4)
+                for i in range(25)}
+
+    def client(t):
+        for i in range(25):
+            scheduler.submit([Submission(rows=enc(requests[(t, i)]), respond=answers.responder((t, i)),
+                                         tenant=f"tenant{t % 2}")])
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    answers.wait(len(requests))
+    for key, texts in requests.items():
+        expected = reference.pipeline.embed([enc(texts)])[0]
+        assert np.array_equal(answers.results[key], expected)
+    assert factory.value("coalesce_tenant_rows_total") == sum(len(t) for t in requests.values())
+    assert factory.value("coalesce_tenant_rows_total", tenant="tenant0") > 0
+    assert scheduler.cost.observed > 0
+    assert factory.observations("coalesce_dispatch_rows")
+    assert factory.value("coalesce_queue_requests") == 0
+    scheduler.close()
+    reference.close()
+
+
+def test_bad_input_is_answered_at_once_and_neighbours_are_served(tokenizer):
+    scheduler, _ = make_scheduler(tokenizer)
+    answers = Answers()
+    scheduler.submit([Submission(rows=[b"\xff\xfe"], respond=answers.responder("bad")),
+                      Submission(rows=enc(["fine"]), respond=answers.responder("good")),
+                      Submission(rows=InvalidInputError("no TEXT"), respond=answers.responder("missing"))])
+    answers.wait(3)
+    assert isinstance(answers.results["bad"], InvalidInputError) and "not valid UTF-8" in str(answers.results["bad"])
+    assert isinstance(answers.results["missing"], InvalidInputError)
+    assert answers.results["good"].shape == (1, DIM)
+    scheduler.close()
+
+
+def test_cancelled_requests_are_never_computed(tokenizer):
+    runtime = TableRuntime()
+    scheduler, factory = make_scheduler(tokenizer, runtime)
+    answers = Answers()
+    scheduler.submit([Submission(rows=enc(["cancel me please"]), respond=answers.responder("gone"),
+                                 is_cancelled=lambda: True)])
+    answers.wait(1)
+    assert isinstance(answers.results["gone"], CancelledError)
+    assert runtime.calls == []
+    assert factory.value("coalesce_rejections_total", reason="cancelled") == 1
+    scheduler.close()
+
+
+def test_a_timeout_that_cannot_be_met_is_refused_at_once_with_a_reason(tokenizer):
+    scheduler, factory = make_scheduler(tokenizer)
+    answers = Answers()
+    scheduler.submit([Submission(rows=enc(["x " * 200]), respond=answers.responder("hurry"), timeout_s=1e-6)])
+    answers.wait(1)
+    error = answers.results["hurry"]
+    assert isinstance(error, UnavailableError) and error.code == "UNAVAILABLE"
+    assert "cannot meet its deadline of 0 ms" in str(error) and "predicted answer in" in str(error)
+    assert factory.value("coalesce_rejections_total", reason="deadline") == 1
+    scheduler.close()
+
+
+def test_queue_bound_and_tenant_rate_limit_refuse_with_their_reasons(tokenizer):
+    scheduler, factory = make_scheduler(tokenizer, max_queue_rows=2, tenant_max_rows_per_s="free:1",
+                                        target_p99_ms=60_000)
+    answers = Answers()
+    scheduler.submit([Submission(rows=enc(["a", "b"]), respond=answers.responder("fits")),
+                      Submission(rows=enc(["c"]), respond=answers.responder("full")),
+                      Submission(rows=enc(["d"]), respond=answers.responder("free-1"), tenant="free"),
+                      Submission(rows=enc(["e"]), respond=answers.responder("free-2"), tenant="free")])
+    answers.wait(4)
+    assert answers.results["fits"].shape == (2, DIM)
+    assert "queue is full" in str(answers.results["full"]) and "max_queue_rows" in str(answers.results["full"])
+    assert "tenant 'free' is over its rate limit (1 rows/s)" in str(answers.results["free-2"])
+    assert factory.value("coalesce_rejections_total", reason="queue_full") >= 1
+    assert factory.value("coalesce_rejections_total", reason="rate_limit") == 1
+    scheduler.close()
+
+
+def test_close_answers_what_is_queued(tokenizer):
+    gate = threading.Event()
+
+    class SlowRuntime(TableRuntime):
+        def run(self, *args):
+            gate.wait(10)
+            return super().run(*args)
+
+    scheduler, _ = make_scheduler(tokenizer, SlowRuntime(), target_p99_ms=60_000, max_dispatch_rows=1)
+    answers = Answers()
+    scheduler.submit([Submission(rows=enc([f"row {i}"]), respond=answers.responder(i)) for i in range(5)])
+    closer = threading.Thread(target=scheduler.close)
+    closer.start()
+    gate.set()
+    closer.join(30)
+    answers.wait(5)
+    assert all(r.shape == (1, DIM) for r in answers.results.values())
+    # After close, new work is refused rather than left unanswered.
+    scheduler.submit([Submission(rows=enc(["late"]), respond=answers.responder("late"))])
+    answers.wait(6)
+    assert "unloading" in str(answers.results["late"])
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("", ("default", 0)),
+    ('{"tenant": "acme"}', ("acme", 0)),
+    ('{"tenant": "acme", "priority": 2}', ("acme", 2)),
+    ('{"priority": "3"}', ("default", 3)),
+])
+def test_read_parameters(text, expected):
+    assert read_parameters(text) == expected
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("not json", "not valid JSON"),
+    ('{"tenant": 5}', "'tenant' must be a non-empty string"),
+    ('{"tenant": ""}', "'tenant' must be a non-empty string"),
+    ('{"priority": -1}', "'priority' must be an integer >= 0"),
+    ('{"priority": "high"}', "'priority' must be an integer >= 0"),
+    ('{"priority": true}', "'priority' must be an integer >= 0"),
+])
+def test_bad_parameters_are_invalid_arg(text, fragment):
+    error = read_parameters(text)
+    assert isinstance(error, InvalidInputError) and fragment in str(error)
