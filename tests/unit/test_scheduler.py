@@ -262,3 +262,21 @@ def test_overload_sheds_at_admission_and_keeps_goodput_near_the_peak():
         assert achieved >= 0.9 * peak
         # Refused at once, at admission: nothing admitted had to be dropped later.
         assert refused and set(refused) == {Rejection.DEADLINE}
+
+
+def test_a_tenant_at_ten_times_the_others_rate_does_not_push_them_past_the_target():
+    # Two quiet tenants at 10 jobs/s each, one noisy at 100 x 3 rows/s: together past capacity.
+    queue = make_queue(CPU, target_s=0.1)
+    arrivals = []
+    for i in range(400):
+        t = i / 100.0
+        arrivals.append((t, job(queue, t, rows=3, tenant="noisy", budget_s=0.1)))
+        if i % 10 == 0:
+            arrivals.append((t + 0.0005, job(queue, t + 0.0005, tenant="quiet-a", budget_s=0.1)))
+            arrivals.append((t + 0.0007, job(queue, t + 0.0007, tenant="quiet-b", budget_s=0.1)))
+    arrivals.sort(key=lambda a: a[0])
+    outcome = simulate(arrivals, queue, CPU)
+    quiet = [(j, outcome[j.seq]) for _, j in arrivals if j.tenant != "noisy"]
+    noisy = [outcome[j.seq][0] for _, j in arrivals if j.tenant == "noisy"]
+    assert all(result == "done" and finish <= j.deadline_s for j, (result, finish) in quiet)
+    assert Rejection.DEADLINE in noisy  # the noisy tenant pays for its own excess

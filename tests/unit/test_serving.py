@@ -168,8 +168,8 @@ def test_close_answers_what_is_queued(tokenizer):
 @pytest.mark.parametrize(("text", "expected"), [
     ("", ("default", 0)),
     ('{"tenant": "acme"}', ("acme", 0)),
-    ('{"tenant": "acme", "priority": 2}', ("acme", 2)),
-    ('{"priority": "3"}', ("default", 3)),
+    ('{"tenant": "acme", "priority_level": 2}', ("acme", 2)),
+    ('{"priority_level": "3"}', ("default", 3)),
 ])
 def test_read_parameters(text, expected):
     assert read_parameters(text) == expected
@@ -179,9 +179,9 @@ def test_read_parameters(text, expected):
     ("not json", "not valid JSON"),
     ('{"tenant": 5}', "'tenant' must be a non-empty string"),
     ('{"tenant": ""}', "'tenant' must be a non-empty string"),
-    ('{"priority": -1}', "'priority' must be an integer >= 0"),
-    ('{"priority": "high"}', "'priority' must be an integer >= 0"),
-    ('{"priority": true}', "'priority' must be an integer >= 0"),
+    ('{"priority_level": -1}', "'priority_level' must be an integer >= 0"),
+    ('{"priority_level": "high"}', "'priority_level' must be an integer >= 0"),
+    ('{"priority_level": true}', "'priority_level' must be an integer >= 0"),
 ])
 def test_bad_parameters_are_invalid_arg(text, fragment):
     error = read_parameters(text)

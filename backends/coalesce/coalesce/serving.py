@@ -62,7 +62,7 @@ class Submission:
 
 #: Request parameters the adaptive scheduler reads (clients set them per request).
 TENANT_PARAMETER: Final = "tenant"
-PRIORITY_PARAMETER: Final = "priority"
+PRIORITY_PARAMETER: Final = "priority_level"
 #: Longest tenant name accepted.
 MAX_TENANT_CHARS: Final = 128
 
@@ -80,9 +80,11 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
 def read_parameters(parameters_json: str) -> tuple[str, int] | InvalidInputError:
     """``(tenant, priority)`` from a request's parameters (JSON, as Triton hands them over), or the error.
 
-    Triton 2.51's Python backend does not expose a request's priority level to the
-    model, so the adaptive scheduler reads a ``priority`` request parameter (1 is the
-    highest, as in Triton; 0 or absent: the model's ``default_priority``).
+    Triton 2.51's Python backend does not expose a request's priority to the model
+    (``InferenceRequest`` has no ``priority()``), and Triton reserves the ``priority``
+    parameter name for its own use, so the adaptive scheduler reads a
+    ``priority_level`` request parameter (1 is the highest, as in Triton; 0 or absent:
+    the model's ``default_priority``).
     """
     try:
         parameters = json.loads(parameters_json) if parameters_json else {}

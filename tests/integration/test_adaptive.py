@@ -1,0 +1,140 @@
+"""Adaptive scheduling in a real server: deferred responses, refusals with reasons, cancellation, tenants.
+
+No timing assertions: each check is about which answer a request gets, not how fast.
+"""
+
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from coalesce_client import EmbeddingClient
+from tests.integration.conftest import add_model
+from tests.integration.test_cache import metric
+
+MODEL = "adaptive"
+LIMITED = "adaptive_limited"
+
+
+def adaptive_config(**parameters):
+    parameters = {"scheduling": "adaptive", **parameters}
+    entries = "".join(f'{{ key: "{k}", value: {{ string_value: "{v}" }} }},\n  ' for k, v in parameters.items())
+    return {r"max_queue_delay_microseconds: \d+": "max_queue_delay_microseconds: 0",
+            r'\{ key: "runtime"': entries + '{ key: "runtime"'}
+
+
+@pytest.fixture(scope="module")
+def adaptive_models(server, repository):
+    add_model(repository, MODEL, replace=adaptive_config(target_p99_ms="60000"))
+    add_model(repository, LIMITED, replace=adaptive_config(target_p99_ms="60000", tenant_max_rows_per_s="noisy:3",
+                                                            max_dispatch_rows="1"))
+    client = httpclient.InferenceServerClient(server.http_url)
+    for name in (MODEL, LIMITED):
+        client.load_model(name)
+    yield
+    for name in (MODEL, LIMITED):
+        client.unload_model(name)
+    client.close()
+
+
+def cancelled(server):
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    pattern = re.compile(rf'^coalesce_rejections_total\{{(?=[^}}]*model="{LIMITED}")(?=[^}}]*reason="cancelled")'
+                         r'[^}]*\} (\S+)$', re.M)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+def text_input(texts, module=grpcclient):
+    tensor = module.InferInput("TEXT", [len(texts), 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[t.encode()] for t in texts], dtype=np.object_))
+    return tensor
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_every_concurrent_request_is_answered_with_the_same_vectors(server, adaptive_models, protocol):
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    batches = [[f"adaptive request {i} row {j}" for j in range(1 + i % 3)] for i in range(48)]
+    with EmbeddingClient(url, protocol=protocol, model=MODEL) as client:
+        answers = client.embed_many(batches, max_in_flight=16)
+    with EmbeddingClient(server.grpc_url, model="minilm") as plain:
+        expected = plain.embed_many(batches, max_in_flight=16)
+    for got, want in zip(answers, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert metric(server, "coalesce_rejections_total", MODEL) == 0
+    assert metric(server, "coalesce_tenant_rows_total", MODEL) >= sum(len(b) for b in batches)
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_at_once_with_unavailable(server, adaptive_models):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(MODEL, [text_input(["a request with a one-microsecond budget"])], timeout=1)
+    finally:
+        client.close()
+    assert info.value.status() == "StatusCode.UNAVAILABLE"
+    assert "cannot meet its deadline" in info.value.message()
+    assert metric(server, "coalesce_rejections_total", MODEL) >= 1
+
+
+def test_bad_request_parameters_are_invalid_arg(server, adaptive_models):
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(MODEL, [text_input(["x"], httpclient)], parameters={"priority_level": "urgent"})
+    finally:
+        client.close()
+    assert "'priority_level' must be an integer" in info.value.message()
+
+
+def test_a_rate_limited_tenant_is_refused_and_the_others_are_served(server, adaptive_models):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    outcomes = {"noisy": [], "quiet": []}
+    try:
+        for i in range(12):
+            for tenant in ("noisy", "quiet"):
+                try:
+                    result = client.infer(LIMITED, [text_input([f"{tenant} {i}"])], parameters={"tenant": tenant})
+                    outcomes[tenant].append(result.as_numpy("EMBEDDING").shape)
+                except InferenceServerException as exc:
+                    outcomes[tenant].append((exc.status(), exc.message()))
+    finally:
+        client.close()
+    assert outcomes["quiet"] == [(1, 384)] * 12
+    refused = [o for o in outcomes["noisy"] if o != (1, 384)]
+    assert refused, "the noisy tenant was never limited"
+    assert all(status == "StatusCode.UNAVAILABLE" and "tenant 'noisy' is over its rate limit (3 rows/s)" in message
+               for status, message in refused)
+
+
+def test_cancelled_requests_are_dropped_before_they_are_computed(server, adaptive_models):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    long_text = "a long document that takes a while to embed " * 40
+    done = threading.Semaphore(0)
+    results = []
+
+    def callback(result, error):
+        results.append(error)
+        done.release()
+
+    before = cancelled(server)
+    try:
+        # One row per dispatch: the queue holds the later requests while the first ones run.
+        contexts = [client.async_infer(LIMITED, [text_input([f"{i} {long_text}"])], callback,
+                                       parameters={"tenant": "quiet"}) for i in range(12)]
+        time.sleep(0.05)
+        for context in contexts[4:]:
+            context.cancel()
+        for _ in contexts:
+            assert done.acquire(timeout=120)
+        deadline = time.monotonic() + 30
+        while cancelled(server) == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        client.close()
+    assert cancelled(server) > before
