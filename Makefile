@@ -7,9 +7,10 @@ BENCH_ARGS ?=
 LOAD_ARGS ?=
 P99_MS ?= 200
 TUNE_ARGS ?=
+EVAL_ARGS ?=
 TUNE_PROFILE ?= queries
 
-.PHONY: setup serve test unit integration lint lock clean bench bench-shared load tune
+.PHONY: setup serve test unit integration lint lock clean bench bench-shared eval-adaptive load tune
 
 setup:                 ## venv, pinned packages, OS packages, model export, Triton runtime (idempotent)
 	@bash scripts/setup.sh
@@ -28,6 +29,10 @@ bench:                 ## perf_analyzer: coalesce vs naive side by side, offline
 bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.shared_cache $(BENCH_ARGS)
+
+eval-adaptive:         ## adaptive scheduling vs the best static config coalesce tune finds (P99_MS); writes perf/results/adaptive-*
+	@bash scripts/setup.sh --bench
+	$(BIN)/python -m perf.adaptive --target-ms $(P99_MS) $(EVAL_ARGS)
 
 load:                  ## Locust, headless: steady/poisson/burst/ramp over gRPC and HTTP; writes perf/results/load-*
 	@bash scripts/setup.sh

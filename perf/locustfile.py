@@ -34,7 +34,7 @@ from locust import LoadTestShape, User, events, task
 from locust.env import Environment
 
 from coalesce_client.client import EmbeddingClient
-from coalesce_client.errors import ClientError
+from coalesce_client.errors import ClientError, RequestRejectedError
 from coalesce_client.load import model_statistics
 from perf import workloads
 from perf.loadshapes import SHAPES, Shape
@@ -62,6 +62,13 @@ def _options(parser: Any) -> None:
     group.add_argument("--grpc-url", default="127.0.0.1:8001", help="gRPC host:port (also read for statistics)")
     group.add_argument("--http-url", default="127.0.0.1:8000", help="HTTP host:port")
     group.add_argument("--timeout-s", type=float, default=30.0, help="limit of each request")
+    group.add_argument("--tenants", default="",
+                       help="'name:share,...': each arrival belongs to a tenant drawn by share (seeded), sent as "
+                            "request parameter 'tenant'; empty: no tenant parameter")
+    group.add_argument("--target-ms", type=float, default=0.0,
+                       help="latency target: the report counts goodput (answers within it per second); 0: none")
+    group.add_argument("--allow-rejections", action="store_true",
+                       help="UNAVAILABLE refusals (admission control) do not fail the run; they are counted")
 
 
 def shape_of(options: Any) -> Shape:
@@ -80,15 +87,76 @@ class RunState:
     before: tuple[int, int] = (0, 0)
     next_text: int = 0
     arrivals: list[float] = dataclasses.field(default_factory=list)
+    tenants: list[str] = dataclasses.field(default_factory=list)
     next_arrival: int = 0
     answered: int = 0
 
-    def take_arrival(self) -> float | None:
-        """The next unclaimed arrival time (s from the start), or None when the schedule is used up."""
+    def take_arrival(self) -> tuple[float, str] | None:
+        """The next unclaimed arrival (s from the start, tenant), or None when the schedule is used up."""
         if self.next_arrival >= len(self.arrivals):
             return None
         self.next_arrival += 1
-        return self.arrivals[self.next_arrival - 1]
+        index = self.next_arrival - 1
+        return self.arrivals[index], self.tenants[index] if self.tenants else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One request: when it was sent (s into the run), its tenant, latency and result (ok/rejected/error)."""
+
+    sent_s: float
+    tenant: str
+    latency_ms: float
+    result: str
+
+
+#: Every request's outcome, for goodput and per-tenant figures.
+_OUTCOMES: list[Outcome] = []
+
+
+def parse_shares(text: str) -> dict[str, float]:
+    """``'a:10,b:1'`` -> ``{'a': 10.0, 'b': 1.0}``.
+
+    Raises:
+        ValueError: On an entry that is not ``name:positive number``.
+    """
+    shares: dict[str, float] = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, _, value = entry.rpartition(":")
+        if not name or not value.replace(".", "", 1).isdigit() or float(value) <= 0:
+            raise ValueError(f"--tenants entry '{entry}' is not 'name:positive share'")
+        shares[name] = float(value)
+    return shares
+
+
+def assign_tenants(count: int, shares: dict[str, float], seed: int) -> list[str]:
+    """A tenant for each of ``count`` arrivals, drawn by share with a seeded generator."""
+    if not shares:
+        return []
+    import random
+
+    rng = random.Random(seed + 1)
+    names = list(shares)
+    return rng.choices(names, weights=[shares[n] for n in names], k=count)
+
+
+def summarize_outcomes(outcomes: list[Outcome], duration_s: float, target_ms: float) -> dict[str, Any]:
+    """Goodput (answers within ``target_ms`` per second of schedule), refusals, and the same per tenant."""
+    def block(items: list[Outcome]) -> dict[str, Any]:
+        ok = sorted(o.latency_ms for o in items if o.result == "ok")
+        good = sum(1 for v in ok if not target_ms or v <= target_ms)
+        return {"sent": len(items), "ok": len(ok), "rejected": sum(o.result == "rejected" for o in items),
+                "errors": sum(o.result == "error" for o in items),
+                "goodput_per_s": round(good / duration_s, 2) if duration_s else 0.0,
+                "ok_p50_ms": round(_percentile(ok, 0.5), 2) if ok else 0.0,
+                "ok_p99_ms": round(_percentile(ok, 0.99), 2) if ok else 0.0,
+                "within_target": round(good / len(items), 4) if items else 0.0}
+
+    summary = block(outcomes)
+    tenants = sorted({o.tenant for o in outcomes if o.tenant})
+    if tenants:
+        summary["tenants"] = {t: block([o for o in outcomes if o.tenant == t]) for t in tenants}
+    return summary
 
 
 _Run = RunState()
@@ -136,9 +204,11 @@ def _start(environment: Environment, **_: Any) -> None:
     _Run.texts = workloads.generate(options.profile, options.texts, options.seed)
     _Run.shape = shape_of(options)
     _Run.arrivals = _Run.shape.arrivals(options.seed)
+    _Run.tenants = assign_tenants(len(_Run.arrivals), parse_shares(options.tenants), options.seed)
     _Run.next_arrival = _Run.next_text = _Run.answered = 0
     _LATE_S.clear()
     _TIMELINE.clear()
+    _OUTCOMES.clear()
     try:
         _Run.before = _triton_counts(options)
     except Exception as exc:
@@ -182,13 +252,16 @@ def _stop(environment: Environment, **_: Any) -> None:
         "locust_requests": total.num_requests, "locust_failures": total.num_failures,
         "triton_inferences": seen_ok, "triton_failures": seen_failed,
         "counts_match": seen_ok == sent_ok and seen_failed == total.num_failures,
+        "target_ms": options.target_ms,
+        **summarize_outcomes(_OUTCOMES, _Run.shape.duration_s, options.target_ms),
         "timeline": timeline(),
     }
     prefix = getattr(options, "csv_prefix", None)
     if prefix:
         Path(f"{prefix}_triton.json").write_text(json.dumps(report, indent=2) + "\n")
     print("coalesce load: " + json.dumps({k: v for k, v in report.items() if k != "timeline"}), flush=True)
-    if not report["counts_match"] or total.num_failures:
+    unexpected = report["errors"] if options.allow_rejections else total.num_failures
+    if not report["counts_match"] or unexpected:
         environment.process_exit_code = 1
 
 
@@ -219,12 +292,24 @@ class _EmbeddingUser(User):
         """Open this user's client (lazily)."""
         super().__init__(environment)
         options = options_of(environment)
-        url = options.grpc_url if self.protocol == "grpc" else options.http_url
-        self.client = EmbeddingClient(url, protocol=self.protocol, model=options.model, timeout_s=options.timeout_s)
+        self._url = options.grpc_url if self.protocol == "grpc" else options.http_url
+        self._model, self._timeout_s = options.model, options.timeout_s
+        self.clients: dict[str, EmbeddingClient] = {}
         self.arrival_s: float | None = None
+        self.tenant = ""
+
+    def client_for(self, tenant: str) -> EmbeddingClient:
+        """This user's client for ``tenant`` (the tenant is a fixed request parameter of a client)."""
+        client = self.clients.get(tenant)
+        if client is None:
+            client = self.clients[tenant] = EmbeddingClient(
+                self._url, protocol=self.protocol, model=self._model, timeout_s=self._timeout_s,
+                tenant=tenant or None)
+        return client
 
     def _claim(self) -> None:
-        self.arrival_s = _Run.take_arrival()
+        claimed = _Run.take_arrival()
+        self.arrival_s, self.tenant = claimed if claimed is not None else (None, "")
 
     def wait_time(self) -> float:
         """Until this user's claimed arrival (0 when it is already due or the schedule is used up)."""
@@ -250,12 +335,16 @@ class _EmbeddingUser(User):
         _Run.next_text += 1
         exception: Exception | None = None
         length = 0
+        result = "ok"
         try:
-            length = int(self.client.embed([text]).nbytes)
+            length = int(self.client_for(self.tenant).embed([text]).nbytes)
+        except RequestRejectedError as exc:
+            exception, result = exc, "rejected"
         except ClientError as exc:
-            exception = exc
+            exception, result = exc, "error"
         assert _Run.shape is not None
         latency_ms = (time.perf_counter() - start) * 1000.0
+        _OUTCOMES.append(Outcome(start - _Run.started, self.tenant, latency_ms, result))
         _TIMELINE.setdefault(int(start - _Run.started), []).append(latency_ms)
         self.environment.events.request.fire(
             request_type=self.protocol, name=f"embed {_Run.shape.name}", response_time=latency_ms,
@@ -265,7 +354,8 @@ class _EmbeddingUser(User):
 
     def on_stop(self) -> None:
         """Close this user's connections."""
-        self.client.close()
+        for client in self.clients.values():
+            client.close()
 
 
 class GrpcEmbeddingUser(_EmbeddingUser):

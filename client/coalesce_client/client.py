@@ -16,6 +16,7 @@ from coalesce_client.errors import (
     ClientError,
     InvalidInputError,
     ModelNotFoundError,
+    RequestRejectedError,
     RequestTimeoutError,
     ServerError,
     ServerUnavailableError,
@@ -24,6 +25,8 @@ from coalesce_client.errors import (
 #: Tensor names of the embedding contract (kept in step with ``coalesce.contract``).
 INPUT_TEXT: Final = "TEXT"
 OUTPUT_EMBEDDING: Final = "EMBEDDING"
+#: How an adaptive model's refusals begin (``coalesce.serving.REFUSED_PREFIX``; the client does not import the backend).
+REFUSED_MARKER: Final = "request refused: "
 DEFAULT_URLS: Final = {"grpc": "localhost:8001", "http": "localhost:8000"}
 PROTOCOLS: Final = ("grpc", "http")
 
@@ -62,6 +65,8 @@ def translate_error(exc: BaseException, *, model: str, url: str, timeout_s: floa
             return InvalidInputError(f"{where}: {message}")
         if "NOT_FOUND" in status or status == "404" or "unknown model" in message:
             return ModelNotFoundError(f"{where}: {message}")
+        if REFUSED_MARKER in message:
+            return RequestRejectedError(f"{where}: {message}")
         if "UNAVAILABLE" in status or status in ("502", "503") or "failed to connect" in message.lower():
             return ServerUnavailableError(f"{where}: {message}")
         return ServerError(f"{where}: {message} (status {status or 'unknown'})")
@@ -84,7 +89,8 @@ class EmbeddingClient:
     """
 
     def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = "minilm", *,
-                 timeout_s: float = 30.0, max_rows_per_request: int | None = None) -> None:
+                 timeout_s: float = 30.0, max_rows_per_request: int | None = None, tenant: str | None = None,
+                 priority_level: int | None = None, deadline_s: float | None = None) -> None:
         """Connect lazily to ``url`` (default ``localhost:8001`` for gRPC, ``localhost:8000`` for HTTP).
 
         Args:
@@ -94,12 +100,24 @@ class EmbeddingClient:
             timeout_s: Limit of each call, connection included.
             max_rows_per_request: Texts per request; longer lists are split and sent
                 concurrently. Default: the model's ``max_batch_size``, asked once.
+            tenant: Sent as request parameter ``tenant``: the fair-queuing class of a
+                model with ``scheduling: adaptive``.
+            priority_level: Sent as request parameter ``priority_level`` (1 is the highest).
+            deadline_s: Sent as the request's own server-side timeout: an adaptive model
+                refuses the request at once (``ServerUnavailableError``) when it cannot
+                answer within it.
         """
         self.protocol = _check_protocol(protocol)
         self.url = url or DEFAULT_URLS[protocol]
         self.model = model
         self.timeout_s = timeout_s
         self._max_rows = max_rows_per_request
+        self._parameters: dict[str, Any] = {}
+        if tenant is not None:
+            self._parameters["tenant"] = tenant
+        if priority_level is not None:
+            self._parameters["priority_level"] = int(priority_level)
+        self._server_timeout_us = int(deadline_s * 1e6) if deadline_s else None
         self._local = threading.local()
         self._grpc: Any = None
         self._lock = threading.Lock()
@@ -158,7 +176,11 @@ class EmbeddingClient:
         infer_input = tc.InferInput(INPUT_TEXT, list(data.shape), "BYTES")
         infer_input.set_data_from_numpy(data)
         outputs = [tc.InferRequestedOutput(OUTPUT_EMBEDDING)]
-        kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        kwargs: dict[str, Any] = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        if self._parameters:
+            kwargs["parameters"] = self._parameters
+        if self._server_timeout_us:
+            kwargs["timeout"] = self._server_timeout_us
         result = self._call(client.infer, self.model, [infer_input], outputs=outputs, **kwargs)
         array = result.as_numpy(OUTPUT_EMBEDDING)
         if array is None or array.shape[0] != len(texts):

@@ -23,6 +23,13 @@ class ServerUnavailableError(ClientError):
     """The server could not be reached or cannot serve right now (``UNAVAILABLE``)."""
 
 
+class RequestRejectedError(ServerUnavailableError):
+    """The model refused the request under load (adaptive scheduling: deadline, queue bound, rate limit).
+
+    Nothing was computed; retrying later, or with a longer deadline, may succeed.
+    """
+
+
 class RequestTimeoutError(ClientError):
     """No answer within the call's timeout."""
 

@@ -138,3 +138,14 @@ def test_cancelled_requests_are_dropped_before_they_are_computed(server, adaptiv
     finally:
         client.close()
     assert cancelled(server) > before
+
+
+def test_the_client_sends_tenant_and_deadline_and_names_refusals(server, adaptive_models):
+    from coalesce_client import RequestRejectedError
+
+    with EmbeddingClient(server.http_url, protocol="http", model=MODEL, tenant="acme", priority_level=2) as client:
+        assert client.embed(["a tenant's text"]).shape == (1, 384)
+    with EmbeddingClient(server.grpc_url, model=MODEL, deadline_s=1e-6) as client, \
+            pytest.raises(RequestRejectedError, match="cannot meet its deadline"):
+        client.embed(["too little time"])
+    assert metric(server, "coalesce_tenant_rows_total", MODEL) >= 1

@@ -120,7 +120,7 @@ def test_a_timeout_that_cannot_be_met_is_refused_at_once_with_a_reason(tokenizer
     answers.wait(1)
     error = answers.results["hurry"]
     assert isinstance(error, UnavailableError) and error.code == "UNAVAILABLE"
-    assert "cannot meet its deadline of 0 ms" in str(error) and "predicted answer in" in str(error)
+    assert "request refused: it cannot meet its deadline of 0 ms" in str(error) and "predicted answer in" in str(error)
     assert factory.value("coalesce_rejections_total", reason="deadline") == 1
     scheduler.close()
 
@@ -135,7 +135,8 @@ def test_queue_bound_and_tenant_rate_limit_refuse_with_their_reasons(tokenizer):
                       Submission(rows=enc(["e"]), respond=answers.responder("free-2"), tenant="free")])
     answers.wait(4)
     assert answers.results["fits"].shape == (2, DIM)
-    assert "queue is full" in str(answers.results["full"]) and "max_queue_rows" in str(answers.results["full"])
+    full = str(answers.results["full"])
+    assert "request refused: the queue is full" in full and "max_queue_rows" in full
     assert "tenant 'free' is over its rate limit (1 rows/s)" in str(answers.results["free-2"])
     assert factory.value("coalesce_rejections_total", reason="queue_full") >= 1
     assert factory.value("coalesce_rejections_total", reason="rate_limit") == 1

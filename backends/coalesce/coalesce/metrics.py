@@ -222,7 +222,9 @@ class SchedulerMetrics:
             "coalesce_dispatch_seconds", "Actual run time per dispatch", labels, STAGE_SECONDS_BUCKETS)
         self.cost_model_error = factory.gauge(
             "coalesce_cost_model_error_ratio",
-            "Moving average of |actual - predicted| / actual per forward pass of the learning cost model", labels)
+            "Moving average of |actual - predicted| / actual run time per dispatch (learning cost model)", labels)
+        self.cost_model_scale = factory.gauge(
+            "coalesce_cost_model_scale", "Learned correction of predicted run times (actual over predicted)", labels)
         self.rejections = {
             reason: factory.counter("coalesce_rejections_total", "Requests answered without being computed",
                                     {**labels, "reason": reason})

@@ -30,6 +30,7 @@ The policy, in short:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import enum
@@ -45,10 +46,15 @@ from coalesce.costmodel import CostModel
 DEFAULT_PRIORITY: Final = 0
 #: Weight of the arrival-gap moving average (per arrival).
 RATE_EWMA_WEIGHT: Final = 0.2
-#: Weight of the cost model's relative-error moving average (per observed pass).
+#: Bounds of the learned correction of every prediction (actual over predicted dispatch time).
+MIN_SCALE: Final = 0.5
+MAX_SCALE: Final = 8.0
+#: Weight of the moving averages of the cost model's error and correction (per dispatch).
 ERROR_EWMA_WEIGHT: Final = 0.1
 #: Longest predicted run of one dispatch, as a share of the latency target.
 MAX_DISPATCH_SHARE_OF_TARGET: Final = 0.5
+#: How far (as a share of the target) the plan's start may move before the cached plan is recomputed.
+PLAN_SHIFT_SHARE_OF_TARGET: Final = 0.02
 #: The default tenant of requests that name none.
 DEFAULT_TENANT: Final = "default"
 
@@ -120,28 +126,36 @@ class SchedulerConfig:
 class CostEstimator:
     """Predicted run time of a dispatch, from a cost model that keeps learning.
 
-    Starts from the model calibrated at load (and its samples); every observed forward
-    pass is added to a window, and the model is refitted every ``refit_every`` passes.
-    ``error`` is the moving average of ``|actual - predicted| / actual`` per pass.
+    Two things are learned. Every forward pass is added to a window, and the pass model
+    (``a + b*rows*len + c*rows*len^2``) is refitted to it every ``refit_every`` passes,
+    starting from the samples calibrated at load. And every whole dispatch (tokenising,
+    the planner's cuts and padding, pooling, the answers, and whatever else the machine
+    did meanwhile) is compared with what the pass model predicted for it: a line
+    ``actual = overhead_s + scale * predicted`` fitted over the recent dispatches turns
+    pass-model time into the time the server really sees, per dispatch. ``error`` is
+    the moving average of ``|actual - predicted| / actual`` per dispatch, as predicted.
     """
 
     def __init__(self, model: CostModel, samples: Iterable[tuple[int, int, float]] = (), *,
-                 window: int = 256, refit_every: int = 32) -> None:
+                 window: int = 256, refit_every: int = 32, dispatch_window: int = 64) -> None:
         """Start from ``model``; ``samples`` (rows, length, seconds) seed the refits."""
         self.model = model
         self._seed = list(samples)
         self._recent: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=window)
         self._refit_every = refit_every
         self._since_fit = 0
+        self._dispatches: collections.deque[tuple[float, float]] = collections.deque(maxlen=dispatch_window)
+        self.scale = 1.0
+        self.overhead_s = 0.0
         self.error = 0.0
         self.observed = 0
 
     def pass_s(self, rows: int, length: int) -> float:
-        """Predicted seconds of one forward pass."""
+        """Predicted seconds of one forward pass (the pass model alone)."""
         return float(self.model.predict_s(rows, length))
 
-    def work_s(self, rows: int, tokens: int, max_length: int, max_batch_rows: int) -> float:
-        """Predicted seconds to compute ``rows`` rows of ``tokens`` tokens in all, none longer than ``max_length``.
+    def raw_work_s(self, rows: int, tokens: int, max_length: int, max_batch_rows: int) -> float:
+        """Pass-model seconds of ``rows`` rows of ``tokens`` tokens in all, none longer than ``max_length``.
 
         The planner pads each pass to its own longest row; with rows sorted by length
         the padding is small, so tokens are counted as they are, with the quadratic
@@ -154,19 +168,42 @@ class CostEstimator:
         passes = math.ceil(rows / max_batch_rows)
         return m.a_s * passes + m.b_s * tokens + m.c_s * tokens * min(mean_length, max_length)
 
+    def work_s(self, rows: int, tokens: int, max_length: int, max_batch_rows: int) -> float:
+        """Predicted seconds of one dispatch of these rows, as the server runs it."""
+        if rows <= 0:
+            return 0.0
+        return self.overhead_s + self.scale * self.raw_work_s(rows, tokens, max_length, max_batch_rows)
+
     def observe(self, rows: int, length: int, seconds: float) -> None:
         """Learn from one forward pass that took ``seconds``."""
-        predicted = self.pass_s(rows, length)
-        if seconds > 0:
-            error = abs(seconds - predicted) / seconds
-            self.error = error if self.observed == 0 else (
-                (1 - ERROR_EWMA_WEIGHT) * self.error + ERROR_EWMA_WEIGHT * error)
         self.observed += 1
         self._recent.append((rows, length, seconds))
         self._since_fit += 1
         if self._since_fit >= self._refit_every:
             self._since_fit = 0
             self.model = CostModel.fit([*self._seed, *self._recent])
+
+    def observe_dispatch(self, raw_s: float, predicted_s: float, actual_s: float) -> None:
+        """Learn from one dispatch: pass-model time ``raw_s``, predicted ``predicted_s``, and ``actual_s`` taken."""
+        if raw_s <= 0 or actual_s <= 0:
+            return
+        error = abs(actual_s - predicted_s) / actual_s
+        self.error = error if not self._dispatches else (
+            (1 - ERROR_EWMA_WEIGHT) * self.error + ERROR_EWMA_WEIGHT * error)
+        self._dispatches.append((raw_s, actual_s))
+        raw = np.array([d[0] for d in self._dispatches])
+        actual = np.array([d[1] for d in self._dispatches])
+        if len(raw) >= 8 and np.ptp(raw) > 0.2 * raw.mean():
+            # Least squares of actual on raw, weighted by 1/actual (relative error), within sane bounds.
+            weights = 1.0 / actual
+            design = np.stack([np.ones_like(raw), raw], axis=1) * weights[:, None]
+            (overhead, scale), *_ = np.linalg.lstsq(design, actual * weights, rcond=None)
+            if MIN_SCALE <= scale <= MAX_SCALE and overhead >= 0:
+                self.overhead_s, self.scale = float(overhead), float(scale)
+                return
+        # Too few or too alike to separate the two: a plain ratio.
+        self.overhead_s = 0.0
+        self.scale = float(min(MAX_SCALE, max(MIN_SCALE, actual.sum() / raw.sum())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,11 +217,31 @@ class Group:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Tail:
+    """The last dispatch of a plan, as running sums, so a job for the end of the queue is admitted in O(1)."""
+
+    start_s: float
+    rows: int
+    tokens: int
+    longest: int
+    due_s: float
+    work_s: float
+    safety: float
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.work_s * (1 + self.safety)
+
+
+@dataclasses.dataclass(frozen=True)
 class Dispatch:
-    """Run these jobs now, together."""
+    """Run these jobs now, together: predicted to take ``predicted_s`` (``raw_s`` by the pass model alone)."""
 
     jobs: list[Job]
     predicted_s: float
+    raw_s: float = 0.0
+    #: Jobs taken off the queue without being computed: they would have been answered late.
+    expired: list[Job] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +280,10 @@ class AdaptiveQueue:
         self._virtual_time = 0.0
         self._last_finish: dict[str, float] = {}
         self._buckets: dict[str, _TokenBucket] = {}
+        self._version = 0  # bumped on every change of the queue: invalidates the cached plan tail
+        self._tail_cache: tuple[float, int, _Tail] | None = None
+        #: Predicted answer time of the job last given to ``admit`` (for refusal messages).
+        self.last_finish_s = 0.0
         self._last_arrival_s: float | None = None
         self._gap_per_row_s: float | None = None
         self._seq = 0
@@ -270,20 +331,76 @@ class AdaptiveQueue:
             return Rejection.QUEUE_FULL
         start = max(self._virtual_time, self._last_finish.get(job.tenant, 0.0))
         job.virtual_finish = start + job.rows / self.config.weight(job.tenant)
-        if self.predicted_finish_s(job, now, busy_until_s) > job.deadline_s:
+        at = bisect.bisect_right(self._jobs, job.order_key(), key=Job.order_key)
+        plan_start = max(now, busy_until_s)
+        if at == len(self._jobs):
+            # The common case, a job for the end of the queue: only the last planned dispatch matters.
+            tail = self._tail(plan_start)
+            joined = self._join(tail, job) if tail is not None else None
+            if joined is not None:
+                new_tail = joined
+            else:
+                begin = tail.end_s if tail is not None else plan_start
+                new_tail = _Tail(begin, job.rows, job.tokens, job.max_length, job.deadline_s, self.job_work_s(job),
+                                 self.config.safety)
+            self.last_finish_s = new_tail.end_s
+        else:
+            new_tail = None
+            self.last_finish_s = self.predicted_finish_s(job, now, busy_until_s)
+        if self.last_finish_s > job.deadline_s:
             return Rejection.DEADLINE
         self._last_finish[job.tenant] = job.virtual_finish
-        self._jobs.append(job)
+        bisect.insort_right(self._jobs, job, key=Job.order_key)  # kept in service order
         self._rows += job.rows
+        self._changed()
+        if new_tail is not None:
+            self._tail_cache = (plan_start, self._version, new_tail)
         return None
 
     def predicted_finish_s(self, job: Job, now: float, busy_until_s: float) -> float:
         """When ``job`` would be answered if queued now: the dispatches planned ahead of it, then its own."""
-        ordered = sorted([*self._jobs, job], key=Job.order_key)
+        at = bisect.bisect_right(self._jobs, job.order_key(), key=Job.order_key)
+        ordered = [*self._jobs[:at], job, *self._jobs[at:]]
         for group in self.plan(ordered, max(now, busy_until_s)):
             if any(j is job for j in group.jobs):
                 return group.end_s
         raise AssertionError("unreachable: every job is in a group")
+
+    def _tail(self, plan_start: float) -> _Tail | None:
+        """The last dispatch of the plan from ``plan_start`` (cached while the queue and the start stay the same)."""
+        if not self._jobs:
+            return None
+        cached = self._tail_cache
+        if cached is not None and cached[1] == self._version:
+            # The plan's start moves with the clock while a dispatch overruns its prediction. A small
+            # move shifts every dispatch alike (re-planning would only change a cut that a deadline
+            # makes binding within that much); a larger one re-plans.
+            shift = plan_start - cached[0]
+            if 0 <= shift <= self.config.target_s * PLAN_SHIFT_SHARE_OF_TARGET:
+                return dataclasses.replace(cached[2], start_s=cached[2].start_s + shift)
+        last = None
+        for group in self.plan(self._jobs, plan_start):
+            last = group
+        assert last is not None
+        jobs = last.jobs
+        tail = _Tail(last.end_s - last.work_s * (1 + self.config.safety), sum(j.rows for j in jobs),
+                     sum(j.tokens for j in jobs), max(j.max_length for j in jobs), last.due_s, last.work_s,
+                     self.config.safety)
+        self._tail_cache = (plan_start, self._version, tail)
+        return tail
+
+    def _join(self, tail: _Tail, job: Job) -> _Tail | None:
+        """``tail`` with ``job`` in it, if ``plan`` would put it there; else None."""
+        rows, tokens, longest = tail.rows + job.rows, tail.tokens + job.tokens, max(tail.longest, job.max_length)
+        work = self.cost.work_s(rows, tokens, longest, self.config.max_batch_rows)
+        margin = 1 + self.config.safety
+        if (rows > self.config.max_dispatch_rows or work * margin > self.config.target_s * MAX_DISPATCH_SHARE_OF_TARGET
+                or tail.start_s + work * margin > min(tail.due_s, job.deadline_s)):
+            return None
+        return _Tail(tail.start_s, rows, tokens, longest, min(tail.due_s, job.deadline_s), work, self.config.safety)
+
+    def _changed(self) -> None:
+        self._version += 1
 
     def plan(self, ordered: list[Job], start_s: float) -> Iterator[Group]:
         """Cut jobs, in service order, into the dispatches the policy would run back to back from ``start_s``.
@@ -346,6 +463,7 @@ class AdaptiveQueue:
         if dropped:
             self._jobs = kept
             self._rows = sum(j.rows for j in kept)
+            self._changed()
         return dropped
 
     def optimal_wait_s(self) -> float:
@@ -359,10 +477,18 @@ class AdaptiveQueue:
         return math.log(a * rate) / rate
 
     def decide(self, now: float) -> Dispatch | Wait:
-        """With the executor free: what to run now, or until when to wait (call ``purge`` first)."""
+        """With the executor free: what to run now, or until when to wait (call ``purge`` first).
+
+        When the queue runs behind its plan (the machine was slower than predicted), the
+        oldest jobs may have too little time left to share a pass with anyone; shrinking
+        every dispatch to them would cut throughput just when it is needed most. So the
+        dispatch is the prefix (in service order, within the row and run-time caps) that
+        answers the most jobs in time, and the jobs in it that would still be late are
+        refused (``Dispatch.expired``) rather than computed for nothing.
+        """
         if not self._jobs:
             return Wait(math.inf)
-        ordered = sorted(self._jobs, key=Job.order_key)
+        ordered = self._jobs
         first = next(self.plan(ordered, now))
         full = len(first.jobs) < len(ordered) or sum(j.rows for j in first.jobs) >= self.config.max_dispatch_rows
         if not full and self._last_arrival_s is not None:
@@ -370,18 +496,56 @@ class AdaptiveQueue:
             # Waiting must leave every job of the dispatch time to finish: its deadline, less the run, less the margin.
             if now < until <= first.due_s - first.work_s * (1 + self.config.safety):
                 return Wait(until)
-        return self._take(first.jobs, first.work_s)
+        chosen, late = self._most_on_time(ordered, now)
+        if len(chosen) <= len(first.jobs):
+            return self._take(first.jobs, first.work_s)
+        taken = self._take(chosen, self.cost.work_s(sum(j.rows for j in chosen), sum(j.tokens for j in chosen),
+                                                    max(j.max_length for j in chosen), self.config.max_batch_rows))
+        self._remove(late)
+        return dataclasses.replace(taken, expired=late)
+
+    def _most_on_time(self, ordered: list[Job], now: float) -> tuple[list[Job], list[Job]]:
+        """The prefix that answers the most jobs by their deadlines, split into (on time, late)."""
+        margin = 1 + self.config.safety
+        longest_run = self.config.target_s * MAX_DISPATCH_SHARE_OF_TARGET
+        deadlines: list[float] = []
+        rows = tokens = longest = 0
+        best_count, best_size, best_end = -1, 0, 0.0
+        for size, job in enumerate(ordered, start=1):
+            if size > 1 and rows + job.rows > self.config.max_dispatch_rows:
+                break
+            work = self.cost.work_s(rows + job.rows, tokens + job.tokens, max(longest, job.max_length),
+                                    self.config.max_batch_rows) * margin
+            if size > 1 and work > longest_run:
+                break
+            rows, tokens, longest = rows + job.rows, tokens + job.tokens, max(longest, job.max_length)
+            bisect.insort(deadlines, job.deadline_s)
+            on_time = len(deadlines) - bisect.bisect_left(deadlines, now + work)
+            if on_time >= best_count:
+                best_count, best_size, best_end = on_time, size, now + work
+        prefix = ordered[:best_size]
+        return [j for j in prefix if j.deadline_s >= best_end], [j for j in prefix if j.deadline_s < best_end]
+
+    def _remove(self, jobs: list[Job]) -> None:
+        gone = {id(j) for j in jobs}
+        if gone:
+            self._jobs = [j for j in self._jobs if id(j) not in gone]
+            self._rows -= sum(j.rows for j in jobs)
+            self._changed()
 
     def _take(self, chosen: list[Job], predicted: float) -> Dispatch:
         taken = {id(j) for j in chosen}
         self._jobs = [j for j in self._jobs if id(j) not in taken]
         self._rows -= sum(j.rows for j in chosen)
+        self._changed()
         self._virtual_time = max(self._virtual_time, max(j.virtual_finish for j in chosen))
         # Tenants with nothing queued and a finish tag behind virtual time need no state.
         for tenant in [t for t, f in self._last_finish.items() if f <= self._virtual_time]:
             if not any(j.tenant == tenant for j in self._jobs):
                 del self._last_finish[tenant]
-        return Dispatch(chosen, predicted)
+        raw = self.cost.raw_work_s(sum(j.rows for j in chosen), sum(j.tokens for j in chosen),
+                                   max(j.max_length for j in chosen), self.config.max_batch_rows)
+        return Dispatch(chosen, predicted, raw)
 
 
 def parse_tenant_map(text: str, *, what: str) -> dict[str, float]:

@@ -63,6 +63,8 @@ class Submission:
 #: Request parameters the adaptive scheduler reads (clients set them per request).
 TENANT_PARAMETER: Final = "tenant"
 PRIORITY_PARAMETER: Final = "priority_level"
+#: How every refusal under load begins (clients match it; keep it stable).
+REFUSED_PREFIX: Final = "request refused: "
 #: Longest tenant name accepted.
 MAX_TENANT_CHARS: Final = 128
 
@@ -106,19 +108,24 @@ def read_parameters(parameters_json: str) -> tuple[str, int] | InvalidInputError
 
 
 def rejection_error(reason: Rejection, job: Job, now: float, detail: str = "") -> CoalesceError:
-    """The error a refused job is answered with, saying why."""
+    """The error a refused job is answered with, saying why.
+
+    Refusals under load start with ``REFUSED_PREFIX`` so that clients can tell them
+    from an unreachable server and retry (``coalesce_client.RequestRejectedError``).
+    """
     if reason is Rejection.CANCELLED:
         return CancelledError("request was cancelled before it was computed")
     budget_ms = (job.deadline_s - job.arrival_s) * 1000
     if reason is Rejection.DEADLINE:
-        return UnavailableError(f"request cannot meet its deadline of {budget_ms:.0f} ms: {detail}; "
-                                "retry later or with a longer timeout")
-    if reason is Rejection.EXPIRED:
-        return UnavailableError(f"request can no longer meet its deadline of {budget_ms:.0f} ms after "
-                                f"{(now - job.arrival_s) * 1000:.0f} ms in the queue")
-    if reason is Rejection.QUEUE_FULL:
-        return UnavailableError(f"queue is full ({detail}); retry later")
-    return UnavailableError(f"tenant '{job.tenant}' is over its rate limit ({detail}); retry later")
+        why = f"it cannot meet its deadline of {budget_ms:.0f} ms: {detail}; retry later or with a longer timeout"
+    elif reason is Rejection.EXPIRED:
+        why = (f"it can no longer meet its deadline of {budget_ms:.0f} ms after "
+               f"{(now - job.arrival_s) * 1000:.0f} ms in the queue")
+    elif reason is Rejection.QUEUE_FULL:
+        why = f"the queue is full ({detail}); retry later"
+    else:
+        why = f"tenant '{job.tenant}' is over its rate limit ({detail}); retry later"
+    return UnavailableError(REFUSED_PREFIX + why)
 
 
 class AdaptiveScheduler:
@@ -182,7 +189,7 @@ class AdaptiveScheduler:
 
     def _detail(self, reason: Rejection, job: Job, now: float) -> str:
         if reason is Rejection.DEADLINE:
-            finish = self.queue.predicted_finish_s(job, now, self._busy_until_s)
+            finish = self.queue.last_finish_s
             return (f"{len(self.queue)} request(s) with {self.queue.rows} row(s) queued, predicted answer in "
                     f"{(finish - now) * 1000:.0f} ms")
         if reason is Rejection.QUEUE_FULL:
@@ -227,6 +234,9 @@ class AdaptiveScheduler:
 
     def _run(self, dispatch: Dispatch, started: float) -> None:
         metrics = self.metrics
+        for job in dispatch.expired:
+            metrics.rejections[Rejection.EXPIRED.value].increment(1)
+            self._answer(job.payload[0].respond, rejection_error(Rejection.EXPIRED, job, started))
         # Asked here rather than on every wake-up: each question is a round trip to the server.
         jobs = []
         for job in dispatch.jobs:
@@ -251,8 +261,11 @@ class AdaptiveScheduler:
             self.logger.error(f"dispatch of {len(jobs)} request(s) failed: {exc!r}")
             results = [CoalesceError(f"internal error: {exc}") for _ in jobs]
         actual = time.perf_counter() - t0
+        with self._cond:  # the policy reads the estimator under this lock
+            self.cost.observe_dispatch(dispatch.raw_s, dispatch.predicted_s, actual)
         metrics.actual_seconds.observe(actual)
         metrics.cost_model_error.set(self.cost.error)
+        metrics.cost_model_scale.set(self.cost.scale)
         done = self._clock()
         with self._cond:
             self._busy_until_s = 0.0
@@ -267,7 +280,8 @@ class AdaptiveScheduler:
             self._answer(sub.respond, result)
 
     def _observe_pass(self, rows: int, length: int, seconds: float) -> None:
-        self.cost.observe(rows, length, seconds)
+        with self._cond:
+            self.cost.observe(rows, length, seconds)
 
     # -- helpers --------------------------------------------------------------------------------------
 

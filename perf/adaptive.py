@@ -1,0 +1,340 @@
+"""``make eval-adaptive``: adaptive scheduling against the best static config ``coalesce tune`` finds.
+
+One run, one machine, both systems in one tritonserver, measured back to back at every
+point (alternating which goes first):
+
+- ``static``: the shipped minilm with the batching settings ``coalesce tune`` picks for
+  the same p99 target (Triton's dynamic batcher: queue delay and preferred sizes; the
+  backend's max_batch_rows). Tuned per workload profile in this run (``--static auto``).
+- ``adaptive``: the shipped minilm with ``scheduling: adaptive``, ``target_p99_ms`` set to
+  the target and Triton's queue delay 0.
+
+Measured per profile:
+
+1. Concurrency 1 (perf_analyzer): p50 latency over the bare compute time of one text
+   (the pipeline in process, no server).
+2. Capacity: the static system's closed-loop throughput at concurrency 32.
+3. Locust, open loop (arrivals do not wait for answers; a pool of users bounds what is in
+   flight): steady and Poisson arrivals at fractions and multiples of that capacity,
+   bursts (4x for 2 s every 10 s) and a ramp to 2x. Goodput counts answers within the
+   target per second of schedule; refusals count as not good, like late answers.
+4. Tenants (first profile): one tenant at 10x the rate of two others, together past
+   capacity; per-tenant p99 and goodput.
+
+Results: ``perf/results/<run>.json``, ``.md`` and ``-goodput.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from coalesce import perfanalyzer, tune
+from coalesce.launcher import ServerOptions, TritonServer, free_port
+from perf import limits, workloads
+from perf.load import run_locust
+
+ROOT = Path(__file__).resolve().parent.parent
+MINILM = ROOT / "model_repository" / "minilm"
+ADAPTIVE = "minilm_adaptive"
+SYSTEMS = ("static", "adaptive")
+#: Tenants of the isolation run: one at ten times the rate of each of the others.
+TENANT_SHARES = "noisy:10,quiet-a:1,quiet-b:1"
+
+
+def static_model(profile: str) -> str:
+    """Name of the static system's model for ``profile`` (each profile has its own tuned config)."""
+    return f"minilm_static_{profile}"
+
+
+def adaptive_config(target_ms: float, triton_delay_us: int = 0) -> str:
+    """The shipped config with adaptive scheduling on, its target set, and Triton's queue delay (0 by default)."""
+    text = (MINILM / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{ADAPTIVE}"')
+    point = tune.TunePoint(max_queue_delay_us=triton_delay_us, preferred_batch_sizes=(), instance_count=1,
+                           max_batch_rows=64, max_batch_tokens=8192)
+    text = tune.apply_to_pbtxt(text, point)
+    return text.replace('{ key: "runtime"', '{ key: "scheduling", value: { string_value: "adaptive" } },\n'
+                        f'  {{ key: "target_p99_ms", value: {{ string_value: "{target_ms:g}" }} }},\n'
+                        '  { key: "runtime"', 1)
+
+
+def static_config(profile: str, point: tune.TunePoint) -> str:
+    """The shipped config with a tuned point applied."""
+    text = (MINILM / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{static_model(profile)}"')
+    return tune.apply_to_pbtxt(text, point)
+
+
+def build_repository(dest: Path, configs: dict[str, str]) -> Path:
+    """One folder per model config, weights linked from the shipped minilm."""
+    for name, config in configs.items():
+        (dest / name / "1").mkdir(parents=True)
+        (dest / name / "config.pbtxt").write_text(config)
+        for item in ("model.onnx", "tokenizer.json"):
+            (dest / name / "1" / item).symlink_to((MINILM / "1" / item).resolve())
+    return dest
+
+
+def run_tune(profile: str, input_data: Path, target_ms: float, workdir: Path) -> tuple[tune.TunePoint, str]:
+    """``coalesce tune`` for ``profile`` at ``target_ms``: the chosen point and its report's path.
+
+    Raises:
+        RuntimeError: If the session chose nothing.
+    """
+    out = workdir / f"tune-{profile}"
+    command = [sys.executable, "-m", "coalesce.tune", "--p99-ms", str(target_ms), "--input-data", str(input_data),
+               "--model-repository", str(ROOT / "model_repository"), "--out", str(out), "--budget-s", "600"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    reports = sorted(out.glob("*.json"))
+    if not reports:
+        raise RuntimeError(f"coalesce tune wrote no report: {(done.stdout + done.stderr)[-2000:]}")
+    report = json.loads(reports[-1].read_text())
+    if not report.get("chosen"):
+        raise RuntimeError(f"coalesce tune found no point under p99 {target_ms} ms for {profile}")
+    return tune.TunePoint.from_dict(report["chosen"]["point"]), str(reports[-1])
+
+
+def bare_compute_ms(texts: list[str], count: int = 100) -> float:
+    """Median in-process time (ms) to embed one text alone: the floor for latency at concurrency 1."""
+    pipeline = limits.make_pipeline(MINILM / "1")
+    times = []
+    for text in texts[:count]:
+        start = time.perf_counter()
+        pipeline.embed([[text.encode("utf-8")]])
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the evaluation and write the report."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target-ms", type=float, default=200.0, help="the p99 latency target both systems get")
+    parser.add_argument("--profiles", default="queries,documents")
+    parser.add_argument("--loads", default="0.5,1,2", help="steady and Poisson rates, as multiples of capacity")
+    parser.add_argument("--shapes", default="steady,poisson,burst,ramp")
+    parser.add_argument("--duration-s", type=float, default=20.0, help="length of each Locust run")
+    parser.add_argument("--pool", type=int, default=256, help="Locust users: the most requests in flight")
+    parser.add_argument("--static", default="auto",
+                        help="'auto' runs coalesce tune per profile; else a tune report (JSON) whose choice to use")
+    parser.add_argument("--count", type=int, default=3000, help="distinct texts per workload")
+    parser.add_argument("--no-tenants", action="store_true", help="skip the tenant-isolation run")
+    parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("adaptive-%Y%m%dT%H%M%SZ"))
+    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
+    args = parser.parse_args(argv)
+    profiles = args.profiles.split(",")
+    loads = [float(x) for x in args.loads.split(",")]
+    shapes = args.shapes.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="coalesce-eval-"))
+    texts = {p: workloads.generate(p, args.count, 0) for p in profiles}
+    inputs = {}
+    for profile in profiles:
+        inputs[profile] = workdir / f"{profile}.json"
+        inputs[profile].write_text(json.dumps(workloads.to_input_data(texts[profile]), ensure_ascii=False))
+
+    statics: dict[str, dict[str, Any]] = {}
+    for profile in profiles:
+        if args.static == "auto":
+            sys.stderr.write(f"eval: coalesce tune --p99-ms {args.target_ms:g} on {profile} ...\n")
+            point, report = run_tune(profile, inputs[profile], args.target_ms, workdir)
+        else:
+            point = tune.TunePoint.from_dict(json.loads(Path(args.static).read_text())["chosen"]["point"])
+            report = args.static
+        statics[profile] = {"point": point, "label": point.label(), "tune_report": report}
+        sys.stderr.write(f"eval: static config for {profile}: {point.label()}\n")
+
+    configs = {ADAPTIVE: adaptive_config(args.target_ms)}
+    configs.update({static_model(p): static_config(p, statics[p]["point"]) for p in profiles})
+    repository = build_repository(workdir / "repo", configs)
+    options = ServerOptions(model_repository=repository, host="127.0.0.1", http_port=free_port(),
+                            grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
+                            load_models=tuple(configs))
+    runs: list[dict[str, Any]] = []
+    summary: dict[str, dict[str, Any]] = {}
+    order = 0
+
+    def models(profile: str) -> dict[str, str]:
+        return {"static": static_model(profile), "adaptive": ADAPTIVE}
+
+    def locust(server: TritonServer, profile: str, system: str, shape: str, rate: float, load: float | None,
+               tenants: str = "") -> None:
+        prefix = args.out / args.run / f"{profile}-{shape}-{load if load is not None else ''}{system}"
+        extra = ["--target-ms", str(args.target_ms), "--allow-rejections", "--texts", str(args.count)]
+        if tenants:
+            extra += ["--tenants", tenants]
+        result = run_locust(shape=shape, protocol="grpc", rate_per_s=rate, duration_s=args.duration_s,
+                            pool=args.pool, profile=profile, grpc_url=server.grpc_url, http_url=server.http_url,
+                            prefix=prefix, model=models(profile)[system], extra=extra)
+        result.pop("timeline", None)
+        runs.append({"profile": profile, "system": system, "shape": shape, "load": load, **result})
+        sys.stderr.write(f"eval: {profile} {shape} x{load} {system}: offered {rate:.0f}/s, goodput "
+                         f"{result['goodput_per_s']}/s, ok p99 {result['ok_p99_ms']} ms, refused "
+                         f"{result['rejected']}, errors {result['errors']}\n")
+
+    with TritonServer(options) as server:
+        for profile in profiles:
+            figures: dict[str, Any] = {}
+            capacity = perfanalyzer.measure(model=static_model(profile), protocol="grpc", url=server.grpc_url,
+                                            grpc_url=server.grpc_url, input_data=inputs[profile], concurrency=32,
+                                            request_count=200, workdir=workdir)
+            figures["capacity_per_s"] = capacity["throughput_per_s"]
+            figures["bare_compute_ms"] = bare_compute_ms(texts[profile])
+            for system, model in models(profile).items():
+                c1 = perfanalyzer.measure(model=model, protocol="grpc", url=server.grpc_url, grpc_url=server.grpc_url,
+                                          input_data=inputs[profile], concurrency=1, request_count=100,
+                                          workdir=workdir)
+                figures[f"{system}_c1_p50_ms"] = c1["p50_ms"]
+                figures[f"{system}_c1_over_bare"] = c1["p50_ms"] / figures["bare_compute_ms"]
+            summary[profile] = figures
+            sys.stderr.write(f"eval: {profile}: {figures}\n")
+            cap = figures["capacity_per_s"]
+            plan: list[tuple[str, float, float | None]] = []
+            for shape in shapes:
+                if shape in ("steady", "poisson"):
+                    plan += [(shape, load * cap, load) for load in loads]
+                elif shape == "burst":
+                    plan.append((shape, 0.5 * cap, 0.5))  # 4x bursts: 2x capacity for 2 s of every 10
+                elif shape == "ramp":
+                    plan.append((shape, 2.0 * cap, 2.0))  # from 0.2x to 2x
+            for shape, rate, load in plan:
+                pair = list(SYSTEMS) if order % 2 == 0 else list(reversed(SYSTEMS))
+                order += 1
+                for system in pair:
+                    locust(server, profile, system, shape, rate, load)
+        if not args.no_tenants:
+            profile = profiles[0]
+            for system in SYSTEMS:
+                locust(server, profile, system, "steady", 1.5 * summary[profile]["capacity_per_s"], 1.5,
+                       tenants=TENANT_SHARES)
+                runs[-1]["shape"] = "tenants"
+
+    run = {"run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "machine": f"{os.cpu_count()} cores, no GPU, ONNX Runtime CPU; Locust and server on the same machine",
+           "command": "make eval-adaptive  # python -m perf.adaptive " + " ".join(argv or sys.argv[1:]),
+           "target_ms": args.target_ms, "duration_s": args.duration_s, "pool": args.pool,
+           "statics": {p: {k: v for k, v in s.items() if k != "point"} for p, s in statics.items()},
+           "profiles": summary, "runs": runs}
+    run["verdicts"] = verdicts(run)
+    run["plot"] = str(plot(run, args.out / f"{args.run}-goodput.png"))
+    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
+    (args.out / f"{args.run}.md").write_text(markdown(run))
+    sys.stderr.write(f"eval: wrote {args.out / args.run}.md\n")
+    return 0
+
+
+def _pairs(run: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(static, adaptive) runs of the same profile, shape and load."""
+    index = {(r["profile"], r["shape"], r["load"], r["system"]): r for r in run["runs"]}
+    return [(index[(p, s, load, "static")], index[(p, s, load, "adaptive")])
+            for (p, s, load, system) in index if system == "static" and (p, s, load, "adaptive") in index]
+
+
+def verdicts(run: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, each with the numbers it was judged on."""
+    out: dict[str, Any] = {}
+    for profile, point in run["profiles"].items():
+        out[f"{profile}: c=1 p50 <= 1.2 x bare compute"] = {
+            "value": round(point["adaptive_c1_over_bare"], 2), "met": point["adaptive_c1_over_bare"] <= 1.2,
+            "static": round(point["static_c1_over_bare"], 2)}
+        pairs = [(s, a) for s, a in _pairs(run) if s["profile"] == profile and s["shape"] != "tenants"]
+        worse = [f"{s['shape']} x{s['load']}: {a['goodput_per_s']} < {s['goodput_per_s']}" for s, a in pairs
+                 if a["goodput_per_s"] < s["goodput_per_s"]]
+        out[f"{profile}: goodput >= static at every load"] = {"met": not worse, "misses": worse}
+        adaptive = [r for r in run["runs"] if r["profile"] == profile and r["system"] == "adaptive"
+                    and r["shape"] in ("steady", "poisson")]
+        if adaptive:
+            peak = max(r["goodput_per_s"] for r in adaptive)
+            overload = [r["goodput_per_s"] for r in adaptive if (r["load"] or 0) >= 2.0]
+            if overload:
+                out[f"{profile}: goodput at 2x overload >= 0.9 x peak"] = {
+                    "value": round(min(overload) / peak, 2) if peak else 0.0, "met": min(overload) >= 0.9 * peak,
+                    "peak_per_s": peak, "overload_per_s": overload}
+    for r in run["runs"]:
+        if r["shape"] == "tenants" and r["system"] == "adaptive":
+            quiet = {t: v for t, v in r.get("tenants", {}).items() if t != "noisy"}
+            out["quiet tenants' p99 within target (noisy at 10x)"] = {
+                "met": bool(quiet) and all(v["ok_p99_ms"] <= run["target_ms"] and not v["rejected"]
+                                           for v in quiet.values()),
+                "p99_ms": {t: v["ok_p99_ms"] for t, v in quiet.items()},
+                "refused": {t: v["rejected"] for t, v in r.get("tenants", {}).items()}}
+    return out
+
+
+def markdown(run: dict[str, Any]) -> str:
+    """The report."""
+    lines = [f"# Adaptive scheduling vs the best static config: {run['run']}", "",
+             f"- date: {run['date']}", f"- machine: {run['machine']}", f"- command: `{run['command']}`",
+             f"- target: p99 {run['target_ms']:g} ms; Locust runs of {run['duration_s']:g} s, open loop "
+             f"(pool of {run['pool']} users), gRPC, one text per request", ""]
+    lines += ["## Static configs (`coalesce tune --p99-ms` in this run)", ""]
+    lines += [f"- {p}: `{s['label']}` ({s['tune_report']})" for p, s in run["statics"].items()]
+    lines += ["", "## Targets", "", "| target | met | numbers |", "| --- | --- | --- |"]
+    for name, v in run["verdicts"].items():
+        detail = {k: val for k, val in v.items() if k != "met"}
+        lines.append(f"| {name} | {'yes' if v['met'] else 'NO'} | `{json.dumps(detail)}` |")
+    lines += ["", "## Concurrency 1 and capacity", "",
+              "| profile | bare compute ms | static c=1 p50 ms | adaptive c=1 p50 ms | adaptive / bare | "
+              "capacity/s (static, N=32) |", "| --- | --- | --- | --- | --- | --- |"]
+    for p, point in run["profiles"].items():
+        lines.append(f"| {p} | {point['bare_compute_ms']:.1f} | {point['static_c1_p50_ms']:.1f} | "
+                     f"{point['adaptive_c1_p50_ms']:.1f} | {point['adaptive_c1_over_bare']:.2f} | "
+                     f"{point['capacity_per_s']:.1f} |")
+    lines += ["", "## Goodput (answers within the target per second)", "",
+              "| profile | shape | load | offered/s | static goodput/s | adaptive goodput/s | adaptive / static | "
+              "static ok p99 ms | adaptive ok p99 ms | static refused / late-or-failed | adaptive refused |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s, a in _pairs(run):
+        ratio = a["goodput_per_s"] / s["goodput_per_s"] if s["goodput_per_s"] else float("inf")
+        lines.append(f"| {s['profile']} | {s['shape']} | {s['load']} | {s['offered_requests'] / run['duration_s']:.0f}"
+                     f" | {s['goodput_per_s']} | {a['goodput_per_s']} | {ratio:.2f} | {s['ok_p99_ms']} | "
+                     f"{a['ok_p99_ms']} | {s['rejected']} / {s['sent'] - round(s['within_target'] * s['sent'])} | "
+                     f"{a['rejected']} |")
+    for r in run["runs"]:
+        if r["shape"] == "tenants":
+            lines += ["", f"## Tenants ({r['system']}): {TENANT_SHARES}, 1.5 x capacity", "",
+                      "| tenant | sent | ok | refused | ok p50 ms | ok p99 ms | goodput/s |",
+                      "| --- | --- | --- | --- | --- | --- | --- |"]
+            for t, v in r.get("tenants", {}).items():
+                lines.append(f"| {t} | {v['sent']} | {v['ok']} | {v['rejected']} | {v['ok_p50_ms']} | "
+                             f"{v['ok_p99_ms']} | {v['goodput_per_s']} |")
+    lines += ["", f"Plot: `{Path(run['plot']).name}`; Locust CSV/HTML per run in `{run['run']}/`.", ""]
+    return "\n".join(lines)
+
+
+def plot(run: dict[str, Any], path: Path) -> Path:
+    """Goodput against offered load, per profile and arrival shape, both systems."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = list(run["profiles"])
+    fig, axes = plt.subplots(1, len(profiles), figsize=(5.5 * len(profiles), 4), squeeze=False)
+    for ax, profile in zip(axes[0], profiles, strict=True):
+        for system, style in (("static", "--"), ("adaptive", "-")):
+            for shape, marker in (("steady", "o"), ("poisson", "s"), ("burst", "^"), ("ramp", "v")):
+                points = sorted((r["offered_requests"] / run["duration_s"], r["goodput_per_s"]) for r in run["runs"]
+                                if r["profile"] == profile and r["system"] == system and r["shape"] == shape)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], style, marker=marker,
+                            label=f"{system} {shape}")
+        ax.set_title(f"{profile}: goodput within p99 {run['target_ms']:g} ms")
+        ax.set_xlabel("offered requests/s")
+        ax.set_ylabel("answers within target per s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
