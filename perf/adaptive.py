@@ -40,7 +40,7 @@ from typing import Any
 
 from coalesce import perfanalyzer, tune
 from coalesce.launcher import ServerOptions, TritonServer, free_port
-from perf import limits, workloads
+from perf import limits, repository, workloads
 from perf.load import run_locust
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def static_model(profile: str) -> str:
 
 def adaptive_config(target_ms: float, triton_delay_us: int = 0) -> str:
     """The shipped config with adaptive scheduling on, its target set, and Triton's queue delay (0 by default)."""
-    text = (MINILM / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{ADAPTIVE}"')
+    text = repository.renamed((MINILM / "config.pbtxt").read_text(), ADAPTIVE)
     point = tune.TunePoint(max_queue_delay_us=triton_delay_us, preferred_batch_sizes=(), instance_count=1,
                            max_batch_rows=64, max_batch_tokens=8192)
     text = tune.apply_to_pbtxt(text, point)
@@ -69,17 +69,14 @@ def adaptive_config(target_ms: float, triton_delay_us: int = 0) -> str:
 
 def static_config(profile: str, point: tune.TunePoint) -> str:
     """The shipped config with a tuned point applied."""
-    text = (MINILM / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{static_model(profile)}"')
+    text = repository.renamed((MINILM / "config.pbtxt").read_text(), static_model(profile))
     return tune.apply_to_pbtxt(text, point)
 
 
 def build_repository(dest: Path, configs: dict[str, str]) -> Path:
     """One folder per model config, weights linked from the shipped minilm."""
     for name, config in configs.items():
-        (dest / name / "1").mkdir(parents=True)
-        (dest / name / "config.pbtxt").write_text(config)
-        for item in ("model.onnx", "tokenizer.json"):
-            (dest / name / "1" / item).symlink_to((MINILM / "1" / item).resolve())
+        repository.add_model(dest, name, config)
     return dest
 
 
@@ -153,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = {ADAPTIVE: adaptive_config(args.target_ms)}
     configs.update({static_model(p): static_config(p, statics[p]["point"]) for p in profiles})
-    repository = build_repository(workdir / "repo", configs)
-    options = ServerOptions(model_repository=repository, host="127.0.0.1", http_port=free_port(),
+    repo = build_repository(workdir / "repo", configs)
+    options = ServerOptions(model_repository=repo, host="127.0.0.1", http_port=free_port(),
                             grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
                             load_models=tuple(configs))
     runs: list[dict[str, Any]] = []

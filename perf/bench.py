@@ -24,7 +24,7 @@ from typing import Any
 
 from coalesce import perfanalyzer
 from coalesce.launcher import ServerOptions, TritonServer, free_port
-from perf import limits, report, workloads
+from perf import limits, report, repository, workloads
 from perf.baselines.pytriton.server import MODEL_NAME as PYTRITON_MODEL
 from perf.baselines.pytriton.server import BaselineServer
 
@@ -43,15 +43,12 @@ def build_repository(dest: Path, systems: list[str]) -> Path:
     sources = {"coalesce": (MINILM, "minilm"), "cached": (MINILM, "minilm_cached"), "naive": (NAIVE, "naive")}
     for system in (s for s in systems if s in sources):
         source, name = sources[system]
-        (dest / name / "1").mkdir(parents=True)
         config = (source / "config.pbtxt").read_text()
         if system == "cached":
-            config = config.replace('name: "minilm"', f'name: "{name}"').replace('{ key: "runtime"', CACHE_PARAMETER, 1)
-        (dest / name / "config.pbtxt").write_text(config)
-        for item in ("model.onnx", "tokenizer.json"):
-            (dest / name / "1" / item).symlink_to((version / item).resolve())
+            config = repository.renamed(config, name).replace('{ key: "runtime"', CACHE_PARAMETER, 1)
+        model = repository.add_model(dest, name, config, version_dir=version)
         if (source / "model.py").is_file():
-            shutil.copy(source / "model.py", dest / name / "1" / "model.py")
+            shutil.copy(source / "model.py", model / "1" / "model.py")
     return dest
 
 

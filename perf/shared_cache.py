@@ -32,7 +32,7 @@ from typing import Any
 
 from coalesce import perfanalyzer
 from coalesce.launcher import RedisServer, ServerOptions, TritonServer, free_port
-from perf import report, workloads
+from perf import report, repository, workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 MINILM = ROOT / "model_repository" / "minilm"
@@ -47,15 +47,12 @@ COUNTERS = ("coalesce_cache_hits_total", "coalesce_shared_cache_hits_total", "co
 def build_repository(dest: Path, redis_url: str, cache_bytes: int) -> Path:
     """``minilm`` as shipped and ``minilm_shared`` (in-process tier of ``cache_bytes`` + Redis), weights linked."""
     config = (MINILM / "config.pbtxt").read_text()
-    shared = config.replace(f'name: "{PLAIN}"', f'name: "{SHARED}"').replace(
+    shared = repository.renamed(config, SHARED).replace(
         '{ key: "runtime"',
         f'{{ key: "cache_bytes", value: {{ string_value: "{cache_bytes}" }} }},\n'
         f'  {{ key: "redis_url", value: {{ string_value: "{redis_url}" }} }},\n  {{ key: "runtime"', 1)
     for name, text in ((PLAIN, config), (SHARED, shared)):
-        (dest / name / "1").mkdir(parents=True)
-        (dest / name / "config.pbtxt").write_text(text)
-        for item in ("model.onnx", "tokenizer.json"):
-            (dest / name / "1" / item).symlink_to((MINILM / "1" / item).resolve())
+        repository.add_model(dest, name, text)
     return dest
 
 
@@ -198,11 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     points: list[dict[str, Any]] = []
     failures: list[str] = []
     with RedisServer(maxmemory="2gb") as redis_server:
-        repository = build_repository(workdir / "repo", redis_server.url, args.cache_bytes)
+        repo = build_repository(workdir / "repo", redis_server.url, args.cache_bytes)
 
         def server() -> TritonServer:
             return TritonServer(ServerOptions(
-                model_repository=repository, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
+                model_repository=repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
                 metrics_port=free_port(), model_control="explicit", load_models=(PLAIN, SHARED)))
 
         for round_index in range(args.rounds):
