@@ -30,9 +30,9 @@ bench-shared:          ## the shared Redis row-cache tier: cost on distinct traf
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.shared_cache $(BENCH_ARGS)
 
-eval-adaptive:         ## adaptive scheduling vs the best static config coalesce tune finds (P99_MS); writes perf/results/adaptive-*
+eval-adaptive:         ## adaptive scheduling vs the best static config coalesce tune finds for the same p99 (EVAL_ARGS); writes perf/results/adaptive-*
 	@bash scripts/setup.sh --bench
-	$(BIN)/python -m perf.adaptive --target-ms $(P99_MS) $(EVAL_ARGS)
+	$(BIN)/python -m perf.adaptive $(EVAL_ARGS)
 
 load:                  ## Locust, headless: steady/poisson/burst/ramp over gRPC and HTTP; writes perf/results/load-*
 	@bash scripts/setup.sh
@@ -63,4 +63,4 @@ lock:                  ## re-pin requirements/constraints.txt from a fresh venv
 
 clean:
 	rm -rf $(VENV) model_repository/*/[0-9]*/model.onnx model_repository/*/[0-9]*/tokenizer.json \
-	  model_repository/*/[0-9]*/export.json
+	  model_repository/*/[0-9]*/export.json model_repository/*/[0-9]*/hf model_repository/*/[0-9]*/model.plan*

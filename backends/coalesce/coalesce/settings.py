@@ -15,7 +15,8 @@ from typing import Any, Final
 from coalesce import contract
 from coalesce.errors import ConfigError
 
-RUNTIME_CHOICES: Final = ("auto", "onnxruntime")
+RUNTIME_CHOICES: Final = ("auto", "tensorrt", "onnxruntime", "torch", "bls")
+PRECISION_CHOICES: Final = ("fp32", "fp16")
 POOLING_CHOICES: Final = ("mean", "cls")
 PLANNER_CHOICES: Final = ("dp", "greedy")
 SCHEDULING_CHOICES: Final = ("triton", "adaptive")
@@ -41,8 +42,19 @@ class Settings:
     """
 
     runtime: str = _spec(
-        "auto", "Inference runtime: `auto` picks the best available, `onnxruntime` forces ONNX Runtime.",
-        choices=RUNTIME_CHOICES)
+        "auto", "Inference runtime: `auto` picks the best available (TensorRT engine, ONNX Runtime on the GPU, "
+        "torch on CUDA, ONNX Runtime on the CPU) and logs why; `tensorrt`, `onnxruntime`, `torch` or `bls` "
+        "force one, and fail the load saying what is missing.", choices=RUNTIME_CHOICES)
+    engine_file: str = _spec("model.plan", "TensorRT engine, relative to the version folder (`coalesce build-engine`).")
+    torch_model_dir: str = _spec(
+        "hf", "Hugging Face weights folder for the torch runtime, relative to the version folder (`coalesce export`).")
+    precision: str = _spec(
+        "fp32", "Compute precision of the torch runtime on CUDA (`fp16` halves memory and doubles tensor-core "
+        "throughput); TensorRT engines carry their own (see the JSON beside the plan).", choices=PRECISION_CHOICES)
+    cuda_graphs: bool = _spec(
+        False, "torch on CUDA: capture CUDA graphs for fixed (rows, length) buckets and pad passes up to them.")
+    bls_model: str = _spec("", "runtime `bls`: the Triton model that runs the encoder graph for each pass.")
+    bls_model_version: str = _spec("", "runtime `bls`: version of `bls_model` (empty: the server's policy).")
     onnx_file: str = _spec("model.onnx", "ONNX graph, relative to the model's version folder.")
     tokenizer_file: str = _spec("tokenizer.json", "Hugging Face `tokenizers` file, relative to the version folder.")
     max_sequence_length: int = _spec(

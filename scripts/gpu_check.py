@@ -1,0 +1,166 @@
+"""The GPU checks behind ``scripts/gpu_check.sh``: each part runs when its pieces are installed, else says why."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+VERSION_DIR = ROOT / "model_repository" / "minilm" / "1"
+OUT = Path(os.environ.get("OUT", ROOT / "perf" / "results"))
+TEXTS = ["Coalesce turns dynamic batches into few forward passes.", "short", "日本語の文章を埋め込みます。",
+         "a longer document " * 40, "emoji only: 🤖🎉", "The quick brown fox jumps over the lazy dog."] * 8
+
+
+def embed_with(runtime: Any) -> tuple[np.ndarray, float]:
+    """Embed TEXTS through a pipeline over ``runtime``; (vectors, seconds of the second, warm run)."""
+    from coalesce.metrics import InMemoryMetricFactory, PipelineMetrics
+    from coalesce.pipeline import EmbeddingPipeline
+    from coalesce.settings import Settings
+    from coalesce.tokenizer import TextTokenizer
+
+    settings = Settings.from_parameters({"cost_model": "0.002,0.0001,0"}, model_name="gpu-check", max_batch_size=64,
+                                        embedding_dim=384)
+    pipeline = EmbeddingPipeline(settings, runtime, TextTokenizer(VERSION_DIR / "tokenizer.json", 256),
+                                 PipelineMetrics(InMemoryMetricFactory(), model="gpu-check", version="1"))
+    rows = [t.encode() for t in TEXTS]
+    pipeline.embed([rows])
+    start = time.perf_counter()
+    (vectors,) = pipeline.embed([rows])
+    return vectors, time.perf_counter() - start
+
+
+def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
+    """Smallest row-wise cosine of two L2-normalised matrices."""
+    return float((a * b).sum(axis=1).min())
+
+
+def main() -> int:
+    """Run every part that can run; write the report; exit 1 when a part that ran failed its check."""
+    from coalesce.runtime.onnx import OnnxRuntime
+
+    results: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                               "parts": {}}
+    parts = results["parts"]
+    reference, cpu_s = embed_with(OnnxRuntime(VERSION_DIR / "model.onnx", intra_op_threads=0, inter_op_threads=1))
+    parts["onnxruntime-cpu"] = {"ran": True, "seconds": cpu_s, "texts": len(TEXTS)}
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    results["gpu"] = torch.cuda.get_device_name(0) if gpu else None
+    if not gpu:
+        parts["torch-cuda"] = {"ran": False, "why": "torch.cuda.is_available() is False"}
+    else:
+        from coalesce.runtime.torch_runtime import TorchRuntime, buckets_from
+
+        for label, kwargs in (("torch-cuda-fp32", {}), ("torch-cuda-fp16", {"precision": "fp16"}),
+                              ("torch-cuda-fp16-graphs", {"precision": "fp16", "cuda_graph_buckets":
+                                                          buckets_from((8, 32, 64), (32, 128, 256))})):
+            try:
+                vectors, seconds = embed_with(TorchRuntime(VERSION_DIR / "hf", device="cuda:0", **kwargs))
+                cos = cosine_min(vectors, reference)
+                parts[label] = {"ran": True, "seconds": seconds, "cosine_min": cos, "ok": cos >= 0.999,
+                                "speedup_over_cpu": cpu_s / seconds}
+            except Exception as exc:
+                parts[label] = {"ran": True, "ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+
+    import onnxruntime
+
+    providers = [p for p in ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+                 if p in onnxruntime.get_available_providers()]
+    if not (gpu and providers):
+        parts["onnxruntime-gpu"] = {"ran": False, "why": "onnxruntime-gpu is not installed" if gpu else "no GPU"}
+    else:
+        vectors, seconds = embed_with(OnnxRuntime(VERSION_DIR / "model.onnx", intra_op_threads=0, inter_op_threads=1,
+                                                  providers=(*providers, "CPUExecutionProvider")))
+        cos = cosine_min(vectors, reference)
+        parts["onnxruntime-gpu"] = {"ran": True, "providers": providers, "seconds": seconds, "cosine_min": cos,
+                                    "ok": cos >= 0.999}
+
+    if importlib.util.find_spec("tensorrt") is None or not gpu:
+        parts["tensorrt"] = {"ran": False, "why": "the 'tensorrt' module is not installed" if gpu else "no GPU"}
+    else:
+        from coalesce.engine import build, profiles_for
+        from coalesce.runtime.tensorrt import TensorRTRuntime
+
+        plan = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu-check.plan"
+        profiles = profiles_for(ROOT / "model_repository" / "minilm")
+        start = time.perf_counter()
+        metadata = build(VERSION_DIR / "model.onnx", plan, profiles, fp16=True)
+        built_s = time.perf_counter() - start
+        vectors, seconds = embed_with(TensorRTRuntime(plan))
+        cos = cosine_min(vectors, reference)
+        parts["tensorrt"] = {"ran": True, "build_s": built_s, "metadata": metadata, "seconds": seconds,
+                             "cosine_min": cos, "ok": cos >= 0.999}
+
+    parts["triton-kind-gpu"] = triton_part(reference) if gpu else {"ran": False, "why": "no GPU"}
+    OUT.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    (OUT / f"gpu-check-{stamp}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    for name, part in parts.items():
+        summary = {k: v for k, v in part.items() if k not in ("trace", "metadata")}
+        sys.stdout.write(f"gpu-check {name}: {json.dumps(summary, default=str)}\n")
+    failed = [n for n, p in parts.items() if p.get("ran") and p.get("ok") is False]
+    sys.stdout.write(f"gpu-check: wrote {OUT / f'gpu-check-{stamp}.json'}; failed: {failed or 'none'}\n")
+    return 1 if failed else 0
+
+
+def triton_part(reference: np.ndarray) -> dict[str, Any]:
+    """Serve the KIND_GPU and CPU configs in one tritonserver; compare embeddings; perf_analyzer both."""
+    try:
+        from coalesce.launcher import LaunchError, ServerOptions, TritonServer, find_triton, free_port
+        from coalesce_client import EmbeddingClient
+
+        find_triton()
+    except Exception as exc:
+        return {"ran": False, "why": f"no tritonserver or serve extra here: {exc}"}
+    import shutil
+    import tempfile
+
+    repo = Path(tempfile.mkdtemp(prefix="gpu-check-repo-"))
+    for name, source in (("minilm", ROOT / "model_repository" / "minilm"),
+                         ("minilm_gpu", ROOT / "scripts" / "gpu" / "model_repository" / "minilm_gpu")):
+        (repo / name / "1").mkdir(parents=True)
+        shutil.copy(source / "config.pbtxt", repo / name / "config.pbtxt")
+        for item in VERSION_DIR.iterdir():
+            (repo / name / "1" / item.name).symlink_to(item.resolve())
+    options = ServerOptions(model_repository=repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
+                            metrics_port=free_port(), model_control="explicit", load_models=("minilm", "minilm_gpu"))
+    out: dict[str, Any] = {"ran": True}
+    try:
+        with TritonServer(options) as server:
+            with EmbeddingClient(server.grpc_url, model="minilm_gpu") as client:
+                vectors = client.embed(TEXTS[:6])
+            out["cosine_min"] = cosine_min(vectors, reference[:6])
+            out["ok"] = out["cosine_min"] >= 0.999
+            out["runtime_log"] = [line for line in server.log_text().splitlines() if "runtime '" in line][-2:]
+            try:
+                from coalesce import perfanalyzer
+                from perf import workloads
+
+                data = repo / "queries.json"
+                data.write_text(json.dumps(workloads.to_input_data(workloads.generate("queries", 2000, 0))))
+                for model in ("minilm_gpu", "minilm"):
+                    point = perfanalyzer.measure(model=model, protocol="grpc", url=server.grpc_url,
+                                                 grpc_url=server.grpc_url, input_data=data, concurrency=64,
+                                                 request_count=500, workdir=repo)
+                    out[f"perf_{model}"] = {k: point[k] for k in ("throughput_per_s", "p50_ms", "p99_ms", "avg_batch")}
+            except Exception as exc:
+                out["perf_analyzer"] = f"not run: {exc!r}"
+    except LaunchError as exc:
+        out.update(ok=False, error=str(exc)[-3000:])
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
