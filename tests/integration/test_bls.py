@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
 from coalesce_client import EmbeddingClient
 from tests.conftest import TRICKY_TEXTS
@@ -45,7 +44,13 @@ def test_bls_runtime_matches_the_in_process_runtime(server, bls_models):
         np.testing.assert_allclose(bls.embed(TRICKY_TEXTS), local.embed(TRICKY_TEXTS), atol=1e-5)
 
 
-def test_a_missing_bls_target_fails_the_load_with_its_name(server, bls_models):
-    with pytest.raises(InferenceServerException) as info:
-        bls_models.load_model("minilm_bls_missing")
-    assert "target model 'nowhere' is not usable" in str(info.value)
+def test_a_missing_bls_target_fails_requests_naming_it(server, bls_models):
+    from coalesce_client import ServerError
+
+    bls_models.load_model("minilm_bls_missing")
+    try:
+        with EmbeddingClient(server.grpc_url, model="minilm_bls_missing") as client, \
+                pytest.raises(ServerError, match=r"model 'nowhere' answered: .*not ready"):
+            client.embed(["no target to run me"])
+    finally:
+        bls_models.unload_model("minilm_bls_missing")

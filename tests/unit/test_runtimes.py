@@ -131,24 +131,23 @@ def test_build_engine_without_tensorrt_says_how_to_get_it():
         main(["--model-repository", str(MODEL_DIR.parent)])
 
 
-def test_the_bls_runtime_checks_its_target_and_reports_failures():
+def test_the_bls_runtime_checks_what_its_target_returns():
     from coalesce.runtime.bls import BlsRuntime
 
     def good(model, version, inputs):
         rows, tokens = inputs["input_ids"].shape
         return {"last_hidden_state": np.ones((rows, tokens, 384), dtype=np.float32)}
 
-    runtime = BlsRuntime(good, "encoder", hidden_size=384)
     ids = np.ones((2, 5), dtype=np.int64)
-    assert runtime.run(ids, ids, ids).shape == (2, 5, 384)
-    with pytest.raises(ConfigError, match="returns width 384, expected 768"):
-        BlsRuntime(good, "encoder", hidden_size=768)
+    assert BlsRuntime(good, "encoder", hidden_size=384).run(ids, ids, ids).shape == (2, 5, 384)
+    with pytest.raises(RuntimeFailure, match=r"returns shape \[2, 5, 384\], expected \[rows, tokens, 768\]"):
+        BlsRuntime(good, "encoder", hidden_size=768).run(ids, ids, ids)
 
     def failing(model, version, inputs):
-        raise RuntimeFailure("model 'encoder' answered: out of memory")
+        raise RuntimeError("model 'encoder' is not loaded")
 
-    with pytest.raises(ConfigError, match="target model 'encoder' is not usable: model 'encoder' answered"):
-        BlsRuntime(failing, "encoder", hidden_size=384)
+    with pytest.raises(RuntimeFailure, match="BLS request to 'encoder' failed: model 'encoder' is not loaded"):
+        BlsRuntime(failing, "encoder", hidden_size=384).run(ids, ids, ids)
 
 
 def test_torch_runtime_on_cpu_matches_onnxruntime(version_dir):

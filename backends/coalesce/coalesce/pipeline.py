@@ -27,6 +27,8 @@ from coalesce.settings import Settings
 from coalesce.shared_cache import RedisTier
 from coalesce.tokenizer import TextTokenizer
 
+#: Cost model of a BLS target when none is configured: 3 ms a pass, 2 us a token (a GPU encoder's order).
+BLS_DEFAULT_COST = "0.003,0.000002,0"
 #: What the adapter hands over per request: its raw rows, or the error found while reading it.
 RequestInput = Sequence[bytes | str] | CoalesceError
 #: What the pipeline answers per request.
@@ -129,6 +131,11 @@ class EmbeddingPipeline:
     def _cost_model(self) -> CostModel:
         if self.settings.cost_model != "auto":
             return CostModel.parse(self.settings.cost_model)
+        if self.runtime.name == "bls":
+            # BLS runs only inside execute (Triton 2.51), so nothing can be timed at load.
+            self.logger.warning(f"cost model: runtime 'bls' cannot be timed at load; using '{BLS_DEFAULT_COST}' "
+                                "(a GPU-like pass) until set with parameter cost_model")
+            return CostModel.parse(BLS_DEFAULT_COST)
         start = time.perf_counter()
         model, samples = calibrate(self.runtime, max_rows=self.settings.max_batch_rows,
                                    max_tokens=self.settings.max_batch_tokens,

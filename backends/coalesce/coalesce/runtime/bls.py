@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from coalesce import contract
-from coalesce.errors import CoalesceError, ConfigError, RuntimeFailure
+from coalesce.errors import CoalesceError, RuntimeFailure
 
 #: ``infer(model, version, inputs) -> outputs``: one synchronous request to a Triton model.
 BlsCall = Callable[[str, str, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
@@ -28,21 +28,14 @@ class BlsRuntime:
     def __init__(self, call: BlsCall, model: str, *, version: str = "", hidden_size: int) -> None:
         """Call ``model`` (``version``; empty: the server's policy) whose hidden width is ``hidden_size``.
 
-        Raises:
-            ConfigError: If the target model is not usable (checked with one tiny request).
+        Triton 2.51 allows BLS only inside ``execute``, so the target is not probed here:
+        a missing or mismatched target fails the requests of its passes, with a message
+        naming it, and the model stays loaded for when the target appears.
         """
         self._call = call
         self.model = model
         self.version = version
         self._hidden_size = hidden_size
-        ids = np.array([[101, 102]], dtype=np.int64)
-        try:
-            probe = self.run(ids, np.ones_like(ids), np.zeros_like(ids))
-        except CoalesceError as exc:
-            raise ConfigError(f"runtime 'bls': target model '{model}' is not usable: {exc}") from None
-        if probe.shape[-1] != hidden_size:
-            raise ConfigError(f"runtime 'bls': target model '{model}' returns width {probe.shape[-1]}, "
-                              f"expected {hidden_size}")
 
     @property
     def hidden_size(self) -> int:
@@ -69,6 +62,9 @@ class BlsRuntime:
             raise RuntimeFailure(f"BLS target '{self.model}' returned no '{contract.GRAPH_OUTPUT_HIDDEN}' "
                                  f"(got {sorted(outputs)})")
         hidden = np.asarray(hidden, dtype=np.float32)
+        if hidden.ndim != 3 or hidden.shape[-1] != self._hidden_size:
+            raise RuntimeFailure(f"BLS target '{self.model}' returns shape {list(hidden.shape)}, expected "
+                                 f"[rows, tokens, {self._hidden_size}]")
         if hidden.shape[:2] != input_ids.shape:
             raise RuntimeFailure(f"BLS target '{self.model}' returned shape {list(hidden.shape)} for a batch of "
                                  f"{list(input_ids.shape)}")
