@@ -30,6 +30,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -74,12 +75,24 @@ def per_profile(text: str, profiles: list[str], *, what: str) -> dict[str, str]:
     return {p: pairs.get(p, "auto") for p in profiles}
 
 
-def adaptive_config(target_ms: float, triton_delay_us: int = 0, name: str = "minilm_adaptive") -> str:
-    """The shipped config with adaptive scheduling on, its target set, and Triton's queue delay (0 by default)."""
+def adaptive_config(target_ms: float, triton_delay_us: int = 0, name: str = "minilm_adaptive",
+                    triton_queue_timeout_share: float = 0.0) -> str:
+    """The shipped config with adaptive scheduling on, its target set, and Triton's queue delay (0 by default).
+
+    ``triton_queue_timeout_share`` > 0 also makes Triton refuse a request that waited that
+    share of the target in Triton's own queue, before the backend could see it (the time
+    the backend's deadlines cannot count: under overload, requests queue there while the
+    model's process is busy taking the earlier ones).
+    """
     text = repository.renamed((MINILM / "config.pbtxt").read_text(), name)
     point = tune.TunePoint(max_queue_delay_us=triton_delay_us, preferred_batch_sizes=(), instance_count=1,
                            max_batch_rows=64, max_batch_tokens=8192)
     text = tune.apply_to_pbtxt(text, point)
+    if triton_queue_timeout_share > 0:
+        timeout_us = int(target_ms * 1000 * triton_queue_timeout_share)
+        text = re.sub(r"(max_queue_delay_microseconds: \d+)",
+                      r"\1\n  default_queue_policy { timeout_action: REJECT, default_timeout_microseconds: "
+                      f"{timeout_us}, allow_timeout_override: true }}", text, count=1)
     return text.replace('{ key: "runtime"', '{ key: "scheduling", value: { string_value: "adaptive" } },\n'
                         f'  {{ key: "target_p99_ms", value: {{ string_value: "{target_ms:g}" }} }},\n'
                         '  { key: "runtime"', 1)
@@ -153,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="'auto' runs coalesce tune per profile; else tune reports (JSON) per profile "
                              "('queries=path,...'), whose results are selected again for the profile's target")
     parser.add_argument("--count", type=int, default=3000, help="distinct texts per workload")
+    parser.add_argument("--triton-queue-share", type=float, default=0.25,
+                        help="adaptive: Triton refuses requests that waited this share of the target in its own "
+                             "queue (default_queue_policy REJECT); 0 leaves Triton's queue unbounded")
+    parser.add_argument("--capacity", default="",
+                        help="capacity per profile ('queries=300,...') instead of measuring it (static, N=32)")
     parser.add_argument("--no-tenants", action="store_true", help="skip the tenant-isolation run")
     parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("adaptive-%Y%m%dT%H%M%SZ"))
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
@@ -169,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs[profile].write_text(json.dumps(workloads.to_input_data(texts[profile]), ensure_ascii=False))
 
     targets = {p: float(v) for p, v in per_profile(args.target_ms, profiles, what="--target-ms").items()}
+    capacities = {p: float(v) for p, v in per_profile(args.capacity, profiles, what="--capacity").items()
+                  if args.capacity and v != "auto"}
     reports = per_profile(args.static, profiles, what="--static")
     statics: dict[str, dict[str, Any]] = {}
     for profile in profiles:
@@ -182,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                             "target_ms": targets[profile]}
         sys.stderr.write(f"eval: static config for {profile} (p99 {targets[profile]:g} ms): {point.label()}\n")
 
-    configs = {adaptive_model(p): adaptive_config(targets[p], name=adaptive_model(p)) for p in profiles}
+    configs = {adaptive_model(p): adaptive_config(targets[p], name=adaptive_model(p),
+                                                  triton_queue_timeout_share=args.triton_queue_share)
+               for p in profiles}
     configs.update({static_model(p): static_config(p, statics[p]["point"]) for p in profiles})
     repo = build_repository(workdir / "repo", configs)
     options = ServerOptions(model_repository=repo, host="127.0.0.1", http_port=free_port(),
@@ -216,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             capacity = perfanalyzer.measure(model=static_model(profile), protocol="grpc", url=server.grpc_url,
                                             grpc_url=server.grpc_url, input_data=inputs[profile], concurrency=32,
                                             request_count=200, workdir=workdir)
-            figures["capacity_per_s"] = capacity["throughput_per_s"]
+            figures["capacity_per_s"] = float(capacities.get(profile, capacity["throughput_per_s"]))
+            figures["measured_capacity_per_s"] = capacity["throughput_per_s"]
             figures["bare_compute_ms"] = bare_compute_ms(texts[profile])
             for system, model in models(profile).items():
                 c1 = perfanalyzer.measure(model=model, protocol="grpc", url=server.grpc_url, grpc_url=server.grpc_url,

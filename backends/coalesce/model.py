@@ -22,7 +22,13 @@ from coalesce.errors import CoalesceError, InvalidInputError, RuntimeFailure
 from coalesce.log import Logger
 from coalesce.metrics import SchedulerMetrics
 from coalesce.pipeline import EmbeddingPipeline, RequestInput, RequestResult
-from coalesce.serving import AdaptiveScheduler, Submission, read_parameters, scheduler_config
+from coalesce.serving import (
+    AdaptiveScheduler,
+    Submission,
+    read_parameters,
+    scheduler_config,
+    triton_queue_timeout_s,
+)
 from coalesce.settings import Settings
 
 
@@ -97,8 +103,12 @@ class TritonPythonModel:
             if delay_us:
                 logger.warning(f"scheduling is adaptive but Triton's max_queue_delay_microseconds is {delay_us}: "
                                "every request waits that long before the backend sees it; set it to 0")
+            queue_timeout_s = triton_queue_timeout_s(config)
+            if queue_timeout_s:
+                logger.info(f"adaptive: Triton refuses requests after {queue_timeout_s * 1000:.0f} ms in its own "
+                            "queue; the backend's deadlines leave that much of target_p99_ms for it")
             self._scheduler = AdaptiveScheduler(
-                self._pipeline, scheduler_config(settings),
+                self._pipeline, scheduler_config(settings, triton_queue_timeout_s=queue_timeout_s),
                 SchedulerMetrics(self._metric_factory, model=settings.model_name, version=version), logger)
         logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}; "
                     f"settings {settings}")

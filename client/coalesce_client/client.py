@@ -27,6 +27,8 @@ INPUT_TEXT: Final = "TEXT"
 OUTPUT_EMBEDDING: Final = "EMBEDDING"
 #: How an adaptive model's refusals begin (``coalesce.serving.REFUSED_PREFIX``; the client does not import the backend).
 REFUSED_MARKER: Final = "request refused: "
+#: Triton's own refusal of a request that waited past its queue policy's timeout (``timeout_action: REJECT``).
+TRITON_QUEUE_TIMEOUT: Final = "Request timeout expired"
 DEFAULT_URLS: Final = {"grpc": "localhost:8001", "http": "localhost:8000"}
 PROTOCOLS: Final = ("grpc", "http")
 
@@ -65,7 +67,7 @@ def translate_error(exc: BaseException, *, model: str, url: str, timeout_s: floa
             return InvalidInputError(f"{where}: {message}")
         if "NOT_FOUND" in status or status == "404" or "unknown model" in message:
             return ModelNotFoundError(f"{where}: {message}")
-        if REFUSED_MARKER in message:
+        if REFUSED_MARKER in message or ("UNAVAILABLE" in status and TRITON_QUEUE_TIMEOUT in message):
             return RequestRejectedError(f"{where}: {message}")
         if "UNAVAILABLE" in status or status in ("502", "503") or "failed to connect" in message.lower():
             return ServerUnavailableError(f"{where}: {message}")

@@ -15,8 +15,8 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
 
 from coalesce.errors import CancelledError, CoalesceError, InvalidInputError, UnavailableError
 from coalesce.log import Logger
@@ -69,10 +69,27 @@ REFUSED_PREFIX: Final = "request refused: "
 MAX_TENANT_CHARS: Final = 128
 
 
-def scheduler_config(settings: Settings) -> SchedulerConfig:
-    """The policy's configuration from the model's settings."""
+def triton_queue_timeout_s(model_config: Mapping[str, Any]) -> float:
+    """How long a request may wait in Triton's own queue before Triton refuses it (0: no such policy).
+
+    Read from ``dynamic_batching.default_queue_policy`` when its ``timeout_action`` is
+    ``REJECT``: the backend cannot see that wait, so its deadlines must leave room for it.
+    """
+    policy = (model_config.get("dynamic_batching") or {}).get("default_queue_policy") or {}
+    if str(policy.get("timeout_action", "REJECT")).upper() != "REJECT":
+        return 0.0
+    return int(policy.get("default_timeout_microseconds", 0) or 0) / 1e6
+
+
+def scheduler_config(settings: Settings, *, triton_queue_timeout_s: float = 0.0) -> SchedulerConfig:
+    """The policy's configuration from the model's settings.
+
+    The backend's share of ``target_p99_ms`` is what Triton's queue policy leaves of it
+    (never under a tenth of the target).
+    """
+    target_s = settings.target_p99_ms / 1000
     return SchedulerConfig(
-        target_s=settings.target_p99_ms / 1000, max_queue_rows=settings.max_queue_rows,
+        target_s=max(target_s - triton_queue_timeout_s, 0.1 * target_s), max_queue_rows=settings.max_queue_rows,
         max_dispatch_rows=settings.max_dispatch_rows, max_batch_rows=settings.max_batch_rows,
         tenant_weights=parse_tenant_map(settings.tenant_weights, what="tenant_weights"),
         tenant_max_rows_per_s=parse_tenant_map(settings.tenant_max_rows_per_s, what="tenant_max_rows_per_s"),
