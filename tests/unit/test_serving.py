@@ -195,8 +195,9 @@ def test_tritons_queue_timeout_comes_off_the_backends_share_of_the_target():
     config = {"dynamic_batching": {"default_queue_policy": {"timeout_action": "REJECT",
                                                             "default_timeout_microseconds": "50000"}}}
     assert triton_queue_timeout_s(config) == 0.05
-    assert triton_queue_timeout_s({"dynamic_batching": {"default_queue_policy": {"timeout_action": "DELAY",
-                                                                                 "default_timeout_microseconds": 9}}}) == 0
+    delay = {"dynamic_batching": {"default_queue_policy": {"timeout_action": "DELAY",
+                                                           "default_timeout_microseconds": 9}}}
+    assert triton_queue_timeout_s(delay) == 0
     assert triton_queue_timeout_s({}) == 0
     settings = Settings.from_parameters({"target_p99_ms": "200"}, model_name="m")
     assert scheduler_config(settings, triton_queue_timeout_s=0.05).target_s == pytest.approx(0.15)
