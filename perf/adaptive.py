@@ -360,7 +360,7 @@ def markdown(run: dict[str, Any]) -> str:
             for t, v in r.get("tenants", {}).items():
                 lines.append(f"| {t} | {v['sent']} | {v['ok']} | {v['rejected']} | {v['ok_p50_ms']} | "
                              f"{v['ok_p99_ms']} | {v['goodput_per_s']} |")
-    lines += ["", f"Plot: `{Path(run['plot']).name}`; Locust CSV/HTML per run in `{run['run']}/`.", ""]
+    lines += ["", f"Plot: `{Path(run['plot']).name}`; Locust CSVs per run in `{run['run']}/`.", ""]
     return "\n".join(lines)
 
 
