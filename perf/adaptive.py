@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             extra += ["--tenants", tenants]
         result = run_locust(shape=shape, protocol="grpc", rate_per_s=rate, duration_s=args.duration_s,
                             pool=args.pool, profile=profile, grpc_url=server.grpc_url, http_url=server.http_url,
-                            prefix=prefix, model=models(profile)[system], extra=extra)
+                            prefix=prefix, model=models(profile)[system], extra=extra,
+                            html=False)  # with thousands of distinct refusal messages, each HTML is megabytes
         result.pop("timeline", None)
         runs.append({"profile": profile, "system": system, "shape": shape, "load": load, **result})
         sys.stderr.write(f"eval: {profile} {shape} x{load} {system}: offered {rate:.0f}/s, goodput "

@@ -30,7 +30,7 @@ USERS = {"grpc": "GrpcEmbeddingUser", "http": "HttpEmbeddingUser"}
 
 def run_locust(*, shape: str, protocol: str, rate_per_s: float, duration_s: float, pool: int, profile: str,
                grpc_url: str, http_url: str, prefix: Path, model: str = "minilm",
-               extra: Sequence[str] = ()) -> dict[str, Any]:
+               extra: Sequence[str] = (), html: bool = True) -> dict[str, Any]:
     """One headless Locust run; returns its summary (Locust's aggregate row and the Triton check).
 
     Raises:
@@ -40,8 +40,8 @@ def run_locust(*, shape: str, protocol: str, rate_per_s: float, duration_s: floa
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", USERS[protocol],
                "--pool", str(pool), "--shape", shape, "--rate", str(rate_per_s), "--duration-s", str(duration_s),
                "--profile", profile, "--model", model, "--grpc-url", grpc_url, "--http-url", http_url,
-               "--csv", str(prefix), "--html", f"{prefix}.html", "--stop-timeout", "60", "--only-summary",
-               "--loglevel", "WARNING", *extra]
+               "--csv", str(prefix), *(["--html", f"{prefix}.html"] if html else []), "--stop-timeout", "60",
+               "--only-summary", "--loglevel", "WARNING", *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     check_path = Path(f"{prefix}_triton.json")
