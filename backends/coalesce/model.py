@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from coalesce import contract
 from coalesce.errors import CoalesceError, InvalidInputError, RuntimeFailure
 from coalesce.log import Logger
-from coalesce.metrics import SchedulerMetrics
+from coalesce.metrics import BufferedMetricFactory, SchedulerMetrics
 from coalesce.pipeline import EmbeddingPipeline, RequestInput, RequestResult
 from coalesce.serving import (
     AdaptiveScheduler,
@@ -92,7 +92,10 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / version
         logger = Logger(settings.model_name, pb_utils.Logger)
         # Families must outlive their metrics: the factory keeps them, and the model keeps the factory.
-        self._metric_factory = _TritonMetricFactory()
+        # Every pb_utils metric call is a round trip to the server: record in process, send from a thread.
+        self._metric_factory = BufferedMetricFactory(
+            _TritonMetricFactory(), interval_s=settings.metrics_interval_ms / 1000,
+            on_error=lambda exc: logger.error(f"sending metrics failed: {exc!r}"))
         self._pipeline = EmbeddingPipeline.from_version_dir(
             settings, version_dir, version=version, metric_factory=self._metric_factory, logger=logger,
             instance_kind=args.get("model_instance_kind", "CPU"),
@@ -116,12 +119,14 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> list[Any] | None:
         """Answer every request of the batch Triton formed, one response each, in order.
 
-        Under adaptive scheduling, hand the requests to the backend's queue and return
-        None: the scheduler thread answers each through its response sender.
+        Under adaptive scheduling, hand the requests to the backend's queue: those with an
+        answer ready (bad input, a refusal, or computed inline on an idle executor) are
+        answered here; for the others the entry is None and the scheduler thread answers
+        each through its response sender.
         """
         if self._scheduler is not None:
-            self._scheduler.submit([_submission(request) for request in requests])
-            return None
+            ready = self._scheduler.submit([_submission(request) for request in requests])
+            return [None if result is None else _response(result) for result in ready]
         results = self._pipeline.embed([_read_request(request) for request in requests])
         return [_response(result) for result in results]
 
@@ -131,6 +136,7 @@ class TritonPythonModel:
             self._scheduler.close()
         self._pipeline.close()
         self._pipeline = None  # type: ignore[assignment]
+        self._metric_factory.close()  # the last values reach Triton before the model goes
         self._metric_factory = None  # type: ignore[assignment]
 
 

@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from coalesce_client import EmbeddingClient
 from tests.integration.conftest import add_model
-from tests.integration.test_cache import metric
+from tests.integration.test_cache import metric, settled_metric
 
 MODEL = "adaptive"
 LIMITED = "adaptive_limited"
@@ -66,8 +66,9 @@ def test_every_concurrent_request_is_answered_with_the_same_vectors(server, adap
         expected = plain.embed_many(batches, max_in_flight=16)
     for got, want in zip(answers, expected, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+    rows = sum(len(b) for b in batches)
+    settled_metric(server, "coalesce_tenant_rows_total", MODEL, lambda v: v >= rows)
     assert metric(server, "coalesce_rejections_total", MODEL) == 0
-    assert metric(server, "coalesce_tenant_rows_total", MODEL) >= sum(len(b) for b in batches)
 
 
 def test_a_deadline_that_cannot_be_met_is_refused_at_once_with_unavailable(server, adaptive_models):
@@ -79,7 +80,7 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_once_with_unavailable(serve
         client.close()
     assert info.value.status() == "StatusCode.UNAVAILABLE"
     assert "cannot meet its deadline" in info.value.message()
-    assert metric(server, "coalesce_rejections_total", MODEL) >= 1
+    settled_metric(server, "coalesce_rejections_total", MODEL, lambda v: v >= 1)
 
 
 def test_bad_request_parameters_are_invalid_arg(server, adaptive_models):
@@ -148,4 +149,4 @@ def test_the_client_sends_tenant_and_deadline_and_names_refusals(server, adaptiv
     with EmbeddingClient(server.grpc_url, model=MODEL, deadline_s=1e-6) as client, \
             pytest.raises(RequestRejectedError, match="cannot meet its deadline"):
         client.embed(["too little time"])
-    assert metric(server, "coalesce_tenant_rows_total", MODEL) >= 1
+    settled_metric(server, "coalesce_tenant_rows_total", MODEL, lambda v: v >= 1)

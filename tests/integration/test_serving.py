@@ -19,6 +19,7 @@ from coalesce_client.client import encode_texts
 from coalesce_client.load import model_counts, run_load, sample_texts
 from tests.conftest import TRICKY_TEXTS
 from tests.integration.conftest import WIDE_BATCH, WIDE_MODEL
+from tests.integration.test_cache import settled_metric
 
 PROTOCOLS = ("http", "grpc")
 
@@ -133,6 +134,7 @@ def test_concurrent_load_is_batched(server, capsys):
 
 def test_metrics_are_exported(server):
     embed_raw(server, "http", ["count me", "and me"])
+    settled_metric(server, "coalesce_stage_seconds_count", "minilm", lambda v: v >= 6)  # sent once a second
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         text = response.read().decode()
     labels = 'model="minilm",version="1"'

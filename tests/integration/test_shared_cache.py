@@ -5,7 +5,6 @@ computing came from Redis: the same as a second server on the same Redis.
 """
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import redis
 
 from coalesce.launcher import RedisServer
 from coalesce_client import EmbeddingClient
-from tests.integration.test_cache import metric
+from tests.integration.test_cache import metric, settled_metric, wait_for
 
 MODEL = "shared"
 PREFIX = "itest:"
@@ -51,26 +50,18 @@ def stored_rows(url):
         client.close()
 
 
-def wait_for(condition, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
 
 def test_a_reloaded_model_starts_warm_from_redis(server, shared_model, redis_for_model, http_client):
     texts = ["shared tier one", "shared tier two", "shared tier three"]
     with EmbeddingClient(server.grpc_url, model=shared_model) as client:
         computed = client.embed(texts)
     assert wait_for(lambda: stored_rows(redis_for_model.url) >= 3), "rows never reached Redis"
-    assert metric(server, "coalesce_shared_cache_misses_total", shared_model) == 3
+    settled_metric(server, "coalesce_shared_cache_misses_total", shared_model, lambda v: v == 3)
     http_client.load_model(shared_model)  # a new instance: a new stub process, nothing in memory
     with EmbeddingClient(server.http_url, model=shared_model, protocol="http") as client:
         warm = client.embed(texts)
     assert warm.tobytes() == computed.tobytes()
-    assert metric(server, "coalesce_shared_cache_hits_total", shared_model) >= 3
+    settled_metric(server, "coalesce_shared_cache_hits_total", shared_model, lambda v: v >= 3)
 
 
 def test_redis_killed_mid_run_fails_no_request_and_the_tier_comes_back(server, shared_model, redis_for_model):
@@ -109,5 +100,5 @@ def test_redis_killed_mid_run_fails_no_request_and_the_tier_comes_back(server, s
         for worker in workers:
             worker.join(60)
     assert errors == []
-    assert metric(server, "coalesce_shared_cache_up", shared_model) == 1
+    settled_metric(server, "coalesce_shared_cache_up", shared_model, lambda v: v == 1)
     assert "shared cache redis://127.0.0.1" in server.log_text()

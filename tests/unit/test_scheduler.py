@@ -58,6 +58,22 @@ def test_waits_while_arrivals_outpace_the_fixed_cost_then_dispatches():
     assert isinstance(queue.decide(decision.until_s), Dispatch)
 
 
+def test_decide_within_takes_only_a_short_dispatch_and_otherwise_leaves_the_queue_alone():
+    queue = make_queue(CPU)
+    for t in (0.0, 0.010):
+        assert queue.admit(job(queue, t), t, busy_until_s=0.0) is None
+    run_s = queue.cost.work_s(2, 32, 16, 64) * 1.1  # two 16-token rows, with the margin
+    assert queue.decide_within(0.010, max_run_s=run_s * 0.9) is None
+    assert len(queue) == 2
+    taken = queue.decide_within(0.010, max_run_s=run_s * 1.01)
+    assert isinstance(taken, Dispatch) and len(taken.jobs) == 2 and len(queue) == 0
+    # A policy that would wait (GPU-like, arrivals faster than one per pass) is never run early.
+    gpu = make_queue(GPU)
+    for i in range(5):
+        assert gpu.admit(job(gpu, i * 0.001), i * 0.001, busy_until_s=0.0) is None
+    assert gpu.decide_within(0.004, max_run_s=1.0) is None and len(gpu) == 5
+
+
 def test_never_waits_past_what_the_deadlines_allow():
     queue = make_queue(GPU)
     for i in range(5):
@@ -301,3 +317,13 @@ def test_a_tenant_at_ten_times_the_others_rate_does_not_push_them_past_the_targe
     noisy = [outcome[j.seq][0] for _, j in arrivals if j.tenant == "noisy"]
     assert all(result == "done" and finish <= j.deadline_s for j, (result, finish) in quiet)
     assert Rejection.DEADLINE in noisy  # the noisy tenant pays for its own excess
+
+
+@pytest.mark.parametrize(("waited_s", "budget_s", "asked"), [
+    (0.0, 0.2, False), (0.019, 0.2, False), (0.02, 0.2, True),  # a tenth of 200 ms
+    (0.019, 60.0, False), (0.02, 60.0, True),                    # 20 ms at most, whatever the budget
+    (0.004, 0.05, False), (0.006, 0.05, True),
+])
+def test_only_requests_that_waited_a_while_are_asked_about_cancellation(waited_s, budget_s, asked):
+    config = SchedulerConfig(target_s=budget_s, max_queue_rows=10, max_dispatch_rows=10, max_batch_rows=10)
+    assert config.asks_if_cancelled(waited_s, budget_s) is asked

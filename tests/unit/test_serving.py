@@ -1,5 +1,6 @@
 """The adaptive scheduler's thread over a real pipeline (deterministic encoder): every request answered once."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -45,15 +46,23 @@ class Answers:
         assert self.all_in.wait(timeout_s), f"only {len(self.results)} of {count} answers arrived"
 
 
-def make_scheduler(tokenizer, runtime=None, **params):
+def submit(scheduler, submissions):
+    """What ``execute`` does: answers ready now go back at once, the rest come through ``respond`` later."""
+    for sub, result in zip(submissions, scheduler.submit(submissions), strict=True):
+        if result is not None:
+            sub.respond(result)
+
+
+def make_scheduler(tokenizer, runtime=None, cancel_check_share=0.0, **params):
     params = {"cost_model": "0.001,0.0001,0", "scheduling": "adaptive", **params}
     settings = Settings.from_parameters({k: str(v) for k, v in params.items()}, model_name="m",
                                         max_batch_size=64, embedding_dim=DIM)
     factory = InMemoryMetricFactory()
     pipeline = EmbeddingPipeline(settings, runtime or TableRuntime(), tokenizer,
                                  PipelineMetrics(factory, model="m", version="1"))
-    scheduler = AdaptiveScheduler(pipeline, scheduler_config(settings),
-                                  SchedulerMetrics(factory, model="m", version="1"))
+    config = dataclasses.replace(scheduler_config(settings), cancel_check_share=cancel_check_share,
+                                 cancel_check_wait_s=60.0)
+    scheduler = AdaptiveScheduler(pipeline, config, SchedulerMetrics(factory, model="m", version="1"))
     return scheduler, factory
 
 
@@ -66,7 +75,7 @@ def test_every_request_from_many_threads_gets_its_own_answer(tokenizer):
 
     def client(t):
         for i in range(25):
-            scheduler.submit([Submission(rows=enc(requests[(t, i)]), respond=answers.responder((t, i)),
+            submit(scheduler, [Submission(rows=enc(requests[(t, i)]), respond=answers.responder((t, i)),
                                          tenant=f"tenant{t % 2}")])
 
     threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
@@ -90,7 +99,7 @@ def test_every_request_from_many_threads_gets_its_own_answer(tokenizer):
 def test_bad_input_is_answered_at_once_and_neighbours_are_served(tokenizer):
     scheduler, _ = make_scheduler(tokenizer)
     answers = Answers()
-    scheduler.submit([Submission(rows=[b"\xff\xfe"], respond=answers.responder("bad")),
+    submit(scheduler, [Submission(rows=[b"\xff\xfe"], respond=answers.responder("bad")),
                       Submission(rows=enc(["fine"]), respond=answers.responder("good")),
                       Submission(rows=InvalidInputError("no TEXT"), respond=answers.responder("missing"))])
     answers.wait(3)
@@ -104,7 +113,7 @@ def test_cancelled_requests_are_never_computed(tokenizer):
     runtime = TableRuntime()
     scheduler, factory = make_scheduler(tokenizer, runtime)
     answers = Answers()
-    scheduler.submit([Submission(rows=enc(["cancel me please"]), respond=answers.responder("gone"),
+    submit(scheduler, [Submission(rows=enc(["cancel me please"]), respond=answers.responder("gone"),
                                  is_cancelled=lambda: True)])
     answers.wait(1)
     assert isinstance(answers.results["gone"], CancelledError)
@@ -113,10 +122,23 @@ def test_cancelled_requests_are_never_computed(tokenizer):
     scheduler.close()
 
 
+def test_young_requests_are_not_asked_whether_they_were_cancelled(tokenizer):
+    # Asking is a round trip to the server; a request dispatched at once is computed unasked.
+    asked = []
+    scheduler, _ = make_scheduler(tokenizer, cancel_check_share=0.5, target_p99_ms=60_000)
+    answers = Answers()
+    submit(scheduler, [Submission(rows=enc(["fresh"]), respond=answers.responder("fresh"),
+                                 is_cancelled=lambda: asked.append(1) or False)])
+    answers.wait(1)
+    assert answers.results["fresh"].shape == (1, DIM)
+    assert asked == []
+    scheduler.close()
+
+
 def test_a_timeout_that_cannot_be_met_is_refused_at_once_with_a_reason(tokenizer):
     scheduler, factory = make_scheduler(tokenizer)
     answers = Answers()
-    scheduler.submit([Submission(rows=enc(["x " * 200]), respond=answers.responder("hurry"), timeout_s=1e-6)])
+    submit(scheduler, [Submission(rows=enc(["x " * 200]), respond=answers.responder("hurry"), timeout_s=1e-6)])
     answers.wait(1)
     error = answers.results["hurry"]
     assert isinstance(error, UnavailableError) and error.code == "UNAVAILABLE"
@@ -129,7 +151,7 @@ def test_queue_bound_and_tenant_rate_limit_refuse_with_their_reasons(tokenizer):
     scheduler, factory = make_scheduler(tokenizer, max_queue_rows=2, tenant_max_rows_per_s="free:1",
                                         target_p99_ms=60_000)
     answers = Answers()
-    scheduler.submit([Submission(rows=enc(["a", "b"]), respond=answers.responder("fits")),
+    submit(scheduler, [Submission(rows=enc(["a", "b"]), respond=answers.responder("fits")),
                       Submission(rows=enc(["c"]), respond=answers.responder("full")),
                       Submission(rows=enc(["d"]), respond=answers.responder("free-1"), tenant="free"),
                       Submission(rows=enc(["e"]), respond=answers.responder("free-2"), tenant="free")])
@@ -153,7 +175,7 @@ def test_close_answers_what_is_queued(tokenizer):
 
     scheduler, _ = make_scheduler(tokenizer, SlowRuntime(), target_p99_ms=60_000, max_dispatch_rows=1)
     answers = Answers()
-    scheduler.submit([Submission(rows=enc([f"row {i}"]), respond=answers.responder(i)) for i in range(5)])
+    submit(scheduler, [Submission(rows=enc([f"row {i}"]), respond=answers.responder(i)) for i in range(5)])
     closer = threading.Thread(target=scheduler.close)
     closer.start()
     gate.set()
@@ -161,7 +183,7 @@ def test_close_answers_what_is_queued(tokenizer):
     answers.wait(5)
     assert all(r.shape == (1, DIM) for r in answers.results.values())
     # After close, new work is refused rather than left unanswered.
-    scheduler.submit([Submission(rows=enc(["late"]), respond=answers.responder("late"))])
+    submit(scheduler, [Submission(rows=enc(["late"]), respond=answers.responder("late"))])
     answers.wait(6)
     assert "unloading" in str(answers.results["late"])
 
@@ -202,3 +224,50 @@ def test_tritons_queue_timeout_comes_off_the_backends_share_of_the_target():
     settings = Settings.from_parameters({"target_p99_ms": "200"}, model_name="m")
     assert scheduler_config(settings, triton_queue_timeout_s=0.05).target_s == pytest.approx(0.15)
     assert scheduler_config(settings, triton_queue_timeout_s=5.0).target_s == pytest.approx(0.02)
+
+
+def test_an_idle_scheduler_answers_a_short_dispatch_inline(tokenizer):
+    scheduler, factory = make_scheduler(tokenizer)
+    reference, _ = make_scheduler(tokenizer)
+    answers = Answers()
+    sub = Submission(rows=enc(["quiet server"]), respond=answers.responder("inline"))
+    [result] = scheduler.submit([sub])
+    assert np.array_equal(result, reference.pipeline.embed([enc(["quiet server"])])[0])
+    assert answers.results == {}  # answered from submit, not through the response sender
+    assert factory.value("coalesce_tenant_rows_total") == 1
+    scheduler.close()
+    reference.close()
+
+
+def test_a_long_dispatch_goes_to_the_scheduler_thread(tokenizer):
+    # 50 ms predicted against a 200 ms target: more than an inline run may take.
+    scheduler, _ = make_scheduler(tokenizer, cost_model="0.05,0,0", target_p99_ms=200)
+    answers = Answers()
+    assert scheduler.submit([Submission(rows=enc(["long"]), respond=answers.responder("long"))]) == [None]
+    answers.wait(1)
+    assert answers.results["long"].shape == (1, DIM)
+    scheduler.close()
+
+
+def test_while_a_dispatch_runs_new_requests_queue_and_are_answered_later(tokenizer):
+    gate, started = threading.Event(), threading.Event()
+
+    class GatedRuntime(TableRuntime):
+        def run(self, *args):
+            started.set()
+            gate.wait(10)
+            return super().run(*args)
+
+    scheduler, _ = make_scheduler(tokenizer, GatedRuntime(), target_p99_ms=60_000)
+    answers = Answers()
+    first = threading.Thread(target=submit, args=(scheduler, [Submission(rows=enc(["first"]),
+                                                                         respond=answers.responder("first"))]))
+    first.start()
+    assert started.wait(10)
+    # The executor is taken (inline, in the first caller's thread): this one waits in the queue.
+    assert scheduler.submit([Submission(rows=enc(["second"]), respond=answers.responder("second"))]) == [None]
+    gate.set()
+    first.join(10)
+    answers.wait(2)
+    assert answers.results["first"].shape == answers.results["second"].shape == (1, DIM)
+    scheduler.close()

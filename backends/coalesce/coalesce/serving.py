@@ -10,6 +10,7 @@ answer: its embeddings, or an error with a Triton code. Runs without Triton.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -35,6 +36,10 @@ from coalesce.scheduler import (
 )
 from coalesce.settings import Settings
 
+#: Largest predicted run, as a share of the target, that ``submit`` runs inline when the executor is idle.
+INLINE_SHARE_OF_TARGET: Final = 0.1
+#: Threads that send answers through response senders.
+ANSWER_THREADS: Final = 4
 #: Distinct tenant label values kept in metrics; later tenants are counted as "other".
 MAX_TENANT_LABELS: Final = 32
 
@@ -161,40 +166,79 @@ class AdaptiveScheduler:
         self.queue = AdaptiveQueue(config, self.cost)
         self._cond = threading.Condition()
         self._busy_until_s = 0.0
+        self._running = False  # a dispatch is running (in the scheduler thread or inline in execute)
         self._closing = False
         self._tenant_labels: set[str] = set()
+        # A response sender's send waits on a round trip to the server process; sending from a few
+        # threads overlaps those waits, and the scheduler thread goes on to the next dispatch meanwhile.
+        self._senders = concurrent.futures.ThreadPoolExecutor(max_workers=ANSWER_THREADS,
+                                                              thread_name_prefix="coalesce-answer")
         self._thread = threading.Thread(target=self._loop, name="coalesce-scheduler", daemon=True)
         self._thread.start()
 
     # -- from execute ---------------------------------------------------------------------------------
 
-    def submit(self, submissions: Sequence[Submission]) -> None:
-        """Queue the requests of one ``execute``; refusals and bad input are answered before this returns."""
+    def submit(self, submissions: Sequence[Submission]) -> list[RequestResult | None]:
+        """Queue the requests of one ``execute``; return the answers that are ready now, in order.
+
+        An entry is the answer to give the request from ``execute`` itself (bad input, a
+        refusal, or embeddings computed inline), or None: its ``respond`` will be called
+        later. Answers returned from ``execute`` travel back with its reply, which in
+        Triton's Python backend is much cheaper than a response sender's round trip.
+
+        Inline runs: when the executor is idle and the policy would dispatch at once a
+        pass predicted to take at most ``INLINE_SHARE_OF_TARGET`` of the target, the
+        calling thread runs it (a quiet server answers without any thread hand-off).
+        Requests that arrive meanwhile wait in Triton's queue for at most that long.
+        """
         now = self._clock()
-        prepared: list[tuple[Submission, list[str], int, int]] = []
-        for sub in submissions:
+        answers: list[RequestResult | None] = [None] * len(submissions)
+        prepared: list[tuple[int, Submission, list[str], int, int]] = []
+        for index, sub in enumerate(submissions):
             texts = self.pipeline.decode(sub.rows)
             if isinstance(texts, CoalesceError):
-                self._answer(sub.respond, texts)
+                answers[index] = texts
                 continue
             lengths = self.pipeline.token_lengths(texts)
-            prepared.append((sub, texts, int(lengths.sum()), int(lengths.max())))
-        refused: list[tuple[Submission, CoalesceError]] = []
+            prepared.append((index, sub, texts, int(lengths.sum()), int(lengths.max())))
+        inline: Dispatch | None = None
+        dropped: list[tuple[Job, Rejection]] = []
         with self._cond:
             if self._closing:
-                refused = [(s, UnavailableError("model is unloading")) for s, *_ in prepared]
+                for index, *_ in prepared:
+                    answers[index] = UnavailableError("model is unloading")
                 prepared = []
-            for sub, texts, tokens, longest in prepared:
+            for index, sub, texts, tokens, longest in prepared:
                 job = self._job(sub, texts, tokens, longest, now)
                 reason = self.queue.admit(job, now, self._busy_until_s)
                 if reason is None:
                     continue
-                refused.append((sub, rejection_error(reason, job, now, self._detail(reason, job, now))))
+                answers[index] = rejection_error(reason, job, now, self._detail(reason, job, now))
                 self.metrics.rejections[reason.value].increment(1)
+            if prepared and not self._running and len(self.queue):
+                dropped = self.queue.purge(now)
+                inline = self.queue.decide_within(now, INLINE_SHARE_OF_TARGET * self.config.target_s)
+                if inline is not None:
+                    self._start_running(inline, now)
             self._set_depth()
-            self._cond.notify_all()
-        for sub, error in refused:
-            self._answer(sub.respond, error)
+            if inline is None:
+                self._cond.notify_all()
+        own = {id(prepared_sub): index for index, prepared_sub, *_ in prepared}
+
+        def deliver(sub: Submission, result: RequestResult) -> None:
+            at = own.get(id(sub))
+            if at is None:
+                self._answer(sub.respond, result)
+            else:
+                answers[at] = result
+
+        self._reject(dropped, now, deliver)
+        if inline is not None:
+            try:
+                self._run(inline, now, deliver)
+            finally:
+                self._finish_running()
+        return answers
 
     def _job(self, sub: Submission, texts: list[str], tokens: int, longest: int, now: float) -> Job:
         target = self.config.target_s
@@ -222,8 +266,11 @@ class AdaptiveScheduler:
             with self._cond:
                 dispatch = None
                 while dispatch is None:
-                    if self._closing and not len(self.queue):
+                    if self._closing and not len(self.queue) and not self._running:
                         return
+                    if self._running:  # an inline run in execute's thread
+                        self._cond.wait()
+                        continue
                     now = self._clock()
                     dropped = self.queue.purge(now)
                     if dropped:
@@ -231,17 +278,37 @@ class AdaptiveScheduler:
                     decision = self.queue.decide(now) if not self._closing else self._drain(now)
                     if isinstance(decision, Dispatch):
                         dispatch = decision
-                        self._busy_until_s = now + decision.predicted_s * (1 + self.config.safety)
+                        self._start_running(decision, now)
                     else:
                         self._cond.wait(None if math.isinf(decision.until_s) else max(0.0, decision.until_s - now))
                 self._set_depth()
             if dispatch is None:
-                for job, reason in dropped:
-                    self.metrics.rejections[reason.value].increment(1)
-                    sub, _ = job.payload
-                    self._answer(sub.respond, rejection_error(reason, job, now))
+                self._reject(dropped, now, self._send_later)
                 continue
-            self._run(dispatch, now)
+            try:
+                self._run(dispatch, now, self._send_later)
+            finally:
+                self._finish_running()
+
+    def _start_running(self, dispatch: Dispatch, now: float) -> None:
+        # Under self._cond: the executor is taken until _finish_running.
+        self._running = True
+        self._busy_until_s = now + dispatch.predicted_s * (1 + self.config.safety)
+
+    def _finish_running(self) -> None:
+        with self._cond:
+            self._running = False
+            self._busy_until_s = 0.0
+            self._cond.notify_all()
+
+    def _send_later(self, sub: Submission, result: RequestResult) -> None:
+        self._answer(sub.respond, result)
+
+    def _reject(self, dropped: list[tuple[Job, Rejection]], now: float,
+                deliver: Callable[[Submission, RequestResult], None]) -> None:
+        for job, reason in dropped:
+            self.metrics.rejections[reason.value].increment(1)
+            deliver(job.payload[0], rejection_error(reason, job, now))
 
     def _drain(self, now: float) -> Dispatch:
         # Unloading: whatever is queued runs now, without waiting for more.
@@ -249,22 +316,23 @@ class AdaptiveScheduler:
         assert isinstance(decision, Dispatch)
         return decision
 
-    def _run(self, dispatch: Dispatch, started: float) -> None:
+    def _run(self, dispatch: Dispatch, started: float, deliver: Callable[[Submission, RequestResult], None]) -> None:
         metrics = self.metrics
         for job in dispatch.expired:
             metrics.rejections[Rejection.EXPIRED.value].increment(1)
-            self._answer(job.payload[0].respond, rejection_error(Rejection.EXPIRED, job, started))
-        # Asked here rather than on every wake-up: each question is a round trip to the server.
+            deliver(job.payload[0], rejection_error(Rejection.EXPIRED, job, started))
+        # Asked here rather than on every wake-up, and only of jobs that waited a while: each
+        # question is a round trip to the server.
         jobs = []
         for job in dispatch.jobs:
-            if job.is_cancelled is not None and job.is_cancelled():
+            check = job.is_cancelled
+            if (check is not None and self.config.asks_if_cancelled(started - job.arrival_s,
+                                                                    job.deadline_s - job.arrival_s) and check()):
                 metrics.rejections[Rejection.CANCELLED.value].increment(1)
-                self._answer(job.payload[0].respond, rejection_error(Rejection.CANCELLED, job, started))
+                deliver(job.payload[0], rejection_error(Rejection.CANCELLED, job, started))
             else:
                 jobs.append(job)
         if not jobs:
-            with self._cond:
-                self._busy_until_s = 0.0
             return
         rows = sum(j.rows for j in jobs)
         metrics.dispatch_rows.observe(rows)
@@ -284,8 +352,6 @@ class AdaptiveScheduler:
         metrics.cost_model_error.set(self.cost.error)
         metrics.cost_model_scale.set(self.cost.scale)
         done = self._clock()
-        with self._cond:
-            self._busy_until_s = 0.0
         for job, result in zip(jobs, results, strict=True):
             sub, _ = job.payload
             tenant = self._tenant_label(job.tenant)
@@ -294,7 +360,7 @@ class AdaptiveScheduler:
             else:
                 metrics.tenant_rows(tenant).increment(job.rows)
             metrics.tenant_latency(tenant).observe(done - job.arrival_s)
-            self._answer(sub.respond, result)
+            deliver(sub, result)
 
     def _observe_pass(self, rows: int, length: int, seconds: float) -> None:
         with self._cond:
@@ -303,6 +369,12 @@ class AdaptiveScheduler:
     # -- helpers --------------------------------------------------------------------------------------
 
     def _answer(self, respond: Callable[[RequestResult], None], result: RequestResult) -> None:
+        try:
+            self._senders.submit(self._send, respond, result)
+        except RuntimeError:  # the sender threads are gone (after close): answer from this thread
+            self._send(respond, result)
+
+    def _send(self, respond: Callable[[RequestResult], None], result: RequestResult) -> None:
         try:
             respond(result)
         except Exception as exc:  # one broken stream must not stop the others
@@ -321,9 +393,10 @@ class AdaptiveScheduler:
         self.metrics.queue_rows.set(self.queue.rows)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Answer what is queued (computed, not dropped), then stop the thread."""
+        """Answer what is queued (computed, not dropped), then stop the threads once every answer is sent."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        self._senders.shutdown(wait=True)
 
