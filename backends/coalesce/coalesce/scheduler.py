@@ -123,6 +123,9 @@ class SchedulerConfig:
     #: milliseconds of its arrival is all but never cancelled.
     cancel_check_share: float = 0.1
     cancel_check_wait_s: float = 0.02
+    #: Longest predicted run, as a share of the target, that ``execute`` may run inline on an idle
+    #: executor (0: never; see ``coalesce.serving.AdaptiveScheduler.submit``).
+    inline_share: float = 0.1
 
     def asks_if_cancelled(self, waited_s: float, budget_s: float) -> bool:
         """Whether a job that waited ``waited_s`` of ``budget_s`` is asked about cancellation before it runs."""

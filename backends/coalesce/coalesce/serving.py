@@ -17,6 +17,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Final
 
 from coalesce.errors import CancelledError, CoalesceError, InvalidInputError, UnavailableError
@@ -36,8 +37,6 @@ from coalesce.scheduler import (
 )
 from coalesce.settings import Settings
 
-#: Largest predicted run, as a share of the target, that ``submit`` runs inline when the executor is idle.
-INLINE_SHARE_OF_TARGET: Final = 0.1
 #: Threads that send answers through response senders.
 ANSWER_THREADS: Final = 4
 #: Distinct tenant label values kept in metrics; later tenants are counted as "other".
@@ -65,6 +64,9 @@ class Submission:
     is_cancelled: Callable[[], bool] | None = None
 
 
+#: Hands one answer to its request: sent through the sender threads (the Future) or kept to return from execute.
+Deliver = Callable[[Submission, RequestResult], "Future[None] | None"]
+
 #: Request parameters the adaptive scheduler reads (clients set them per request).
 TENANT_PARAMETER: Final = "tenant"
 PRIORITY_PARAMETER: Final = "priority_level"
@@ -91,6 +93,12 @@ def scheduler_config(settings: Settings, *, triton_queue_timeout_s: float = 0.0)
 
     The backend's share of ``target_p99_ms`` is what Triton's queue policy leaves of it
     (never under a tenth of the target).
+
+    With such a policy no dispatch runs inline in ``execute``: on Triton 2.51, with a
+    ``default_queue_policy`` timeout, about one request in a hundred that arrived while
+    an inline run held ``execute`` sat 500 ms in Triton's queue (its batcher's idle wait)
+    and was then refused as timed out (measured at concurrency 1; none without the
+    policy). ``execute`` that only queues returns within a millisecond and avoids it.
     """
     target_s = settings.target_p99_ms / 1000
     return SchedulerConfig(
@@ -98,7 +106,7 @@ def scheduler_config(settings: Settings, *, triton_queue_timeout_s: float = 0.0)
         max_dispatch_rows=settings.max_dispatch_rows, max_batch_rows=settings.max_batch_rows,
         tenant_weights=parse_tenant_map(settings.tenant_weights, what="tenant_weights"),
         tenant_max_rows_per_s=parse_tenant_map(settings.tenant_max_rows_per_s, what="tenant_max_rows_per_s"),
-        default_priority=settings.default_priority)
+        default_priority=settings.default_priority, inline_share=0.0 if triton_queue_timeout_s > 0 else SchedulerConfig.inline_share)
 
 
 def read_parameters(parameters_json: str) -> tuple[str, int] | InvalidInputError:
@@ -187,7 +195,7 @@ class AdaptiveScheduler:
         Triton's Python backend is much cheaper than a response sender's round trip.
 
         Inline runs: when the executor is idle and the policy would dispatch at once a
-        pass predicted to take at most ``INLINE_SHARE_OF_TARGET`` of the target, the
+        pass predicted to take at most ``SchedulerConfig.inline_share`` of the target, the
         calling thread runs it (a quiet server answers without any thread hand-off).
         Requests that arrive meanwhile wait in Triton's queue for at most that long.
         """
@@ -215,9 +223,9 @@ class AdaptiveScheduler:
                     continue
                 answers[index] = rejection_error(reason, job, now, self._detail(reason, job, now))
                 self.metrics.rejections[reason.value].increment(1)
-            if prepared and not self._running and len(self.queue):
+            if prepared and self.config.inline_share > 0 and not self._running and len(self.queue):
                 dropped = self.queue.purge(now)
-                inline = self.queue.decide_within(now, INLINE_SHARE_OF_TARGET * self.config.target_s)
+                inline = self.queue.decide_within(now, self.config.inline_share * self.config.target_s)
                 if inline is not None:
                     self._start_running(inline, now)
             self._set_depth()
@@ -225,12 +233,12 @@ class AdaptiveScheduler:
                 self._cond.notify_all()
         own = {id(prepared_sub): index for index, prepared_sub, *_ in prepared}
 
-        def deliver(sub: Submission, result: RequestResult) -> None:
+        def deliver(sub: Submission, result: RequestResult) -> Future[None] | None:
             at = own.get(id(sub))
             if at is None:
-                self._answer(sub.respond, result)
-            else:
-                answers[at] = result
+                return self._answer(sub.respond, result)
+            answers[at] = result
+            return None
 
         self._reject(dropped, now, deliver)
         if inline is not None:
@@ -301,11 +309,10 @@ class AdaptiveScheduler:
             self._busy_until_s = 0.0
             self._cond.notify_all()
 
-    def _send_later(self, sub: Submission, result: RequestResult) -> None:
-        self._answer(sub.respond, result)
+    def _send_later(self, sub: Submission, result: RequestResult) -> Future[None] | None:
+        return self._answer(sub.respond, result)
 
-    def _reject(self, dropped: list[tuple[Job, Rejection]], now: float,
-                deliver: Callable[[Submission, RequestResult], None]) -> None:
+    def _reject(self, dropped: list[tuple[Job, Rejection]], now: float, deliver: Deliver) -> None:
         for job, reason in dropped:
             self.metrics.rejections[reason.value].increment(1)
             deliver(job.payload[0], rejection_error(reason, job, now))
@@ -316,7 +323,13 @@ class AdaptiveScheduler:
         assert isinstance(decision, Dispatch)
         return decision
 
-    def _run(self, dispatch: Dispatch, started: float, deliver: Callable[[Submission, RequestResult], None]) -> None:
+    def _run(self, dispatch: Dispatch, started: float, deliver: Deliver) -> None:
+        """Run ``dispatch`` and deliver every answer; returns once the answers are sent.
+
+        The run time the cost model learns from ends when the last answer is sent: sending
+        is part of what a dispatch costs the server, and a deadline is met only when the
+        answer is out.
+        """
         metrics = self.metrics
         for job in dispatch.expired:
             metrics.rejections[Rejection.EXPIRED.value].increment(1)
@@ -345,13 +358,7 @@ class AdaptiveScheduler:
         except Exception as exc:  # every request still gets an answer
             self.logger.error(f"dispatch of {len(jobs)} request(s) failed: {exc!r}")
             results = [CoalesceError(f"internal error: {exc}") for _ in jobs]
-        actual = time.perf_counter() - t0
-        with self._cond:  # the policy reads the estimator under this lock
-            self.cost.observe_dispatch(dispatch.raw_s, dispatch.predicted_s, actual)
-        metrics.actual_seconds.observe(actual)
-        metrics.cost_model_error.set(self.cost.error)
-        metrics.cost_model_scale.set(self.cost.scale)
-        done = self._clock()
+        sends = []
         for job, result in zip(jobs, results, strict=True):
             sub, _ = job.payload
             tenant = self._tenant_label(job.tenant)
@@ -359,8 +366,17 @@ class AdaptiveScheduler:
                 metrics.tenant_failures(tenant).increment(1)
             else:
                 metrics.tenant_rows(tenant).increment(job.rows)
-            metrics.tenant_latency(tenant).observe(done - job.arrival_s)
-            deliver(sub, result)
+            sends.append(deliver(sub, result))
+        concurrent.futures.wait([f for f in sends if f is not None])
+        actual = time.perf_counter() - t0
+        done = self._clock()
+        for job in jobs:
+            metrics.tenant_latency(self._tenant_label(job.tenant)).observe(done - job.arrival_s)
+        with self._cond:  # the policy reads the estimator under this lock
+            self.cost.observe_dispatch(dispatch.raw_s, dispatch.predicted_s, actual)
+        metrics.actual_seconds.observe(actual)
+        metrics.cost_model_error.set(self.cost.error)
+        metrics.cost_model_scale.set(self.cost.scale)
 
     def _observe_pass(self, rows: int, length: int, seconds: float) -> None:
         with self._cond:
@@ -368,11 +384,12 @@ class AdaptiveScheduler:
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    def _answer(self, respond: Callable[[RequestResult], None], result: RequestResult) -> None:
+    def _answer(self, respond: Callable[[RequestResult], None], result: RequestResult) -> Future[None] | None:
         try:
-            self._senders.submit(self._send, respond, result)
+            return self._senders.submit(self._send, respond, result)
         except RuntimeError:  # the sender threads are gone (after close): answer from this thread
             self._send(respond, result)
+            return None
 
     def _send(self, respond: Callable[[RequestResult], None], result: RequestResult) -> None:
         try:
