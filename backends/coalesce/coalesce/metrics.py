@@ -368,6 +368,10 @@ class SchedulerMetrics:
         self.cost_model_error = factory.gauge(
             "coalesce_cost_model_error_ratio",
             "Moving average of |actual - predicted| / actual run time per dispatch (learning cost model)", labels)
+        self.send_seconds = factory.gauge(
+            "coalesce_answer_send_seconds",
+            "Moving average of seconds from a dispatch's end to its last answer sent (taken off request budgets)",
+            labels)
         self.cost_model_scale = factory.gauge(
             "coalesce_cost_model_scale", "Learned correction of predicted run times (actual over predicted)", labels)
         self.rejections = {

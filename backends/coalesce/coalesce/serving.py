@@ -37,6 +37,8 @@ from coalesce.scheduler import (
 )
 from coalesce.settings import Settings
 
+#: Weight of the moving average of answer-send latency (per dispatch).
+SEND_EWMA_WEIGHT: Final = 0.2
 #: Threads that send answers through response senders.
 ANSWER_THREADS: Final = 4
 #: Distinct tenant label values kept in metrics; later tenants are counted as "other".
@@ -106,7 +108,8 @@ def scheduler_config(settings: Settings, *, triton_queue_timeout_s: float = 0.0)
         max_dispatch_rows=settings.max_dispatch_rows, max_batch_rows=settings.max_batch_rows,
         tenant_weights=parse_tenant_map(settings.tenant_weights, what="tenant_weights"),
         tenant_max_rows_per_s=parse_tenant_map(settings.tenant_max_rows_per_s, what="tenant_max_rows_per_s"),
-        default_priority=settings.default_priority, inline_share=0.0 if triton_queue_timeout_s > 0 else SchedulerConfig.inline_share)
+        default_priority=settings.default_priority,
+        inline_share=0.0 if triton_queue_timeout_s > 0 else SchedulerConfig.inline_share)
 
 
 def read_parameters(parameters_json: str) -> tuple[str, int] | InvalidInputError:
@@ -174,6 +177,7 @@ class AdaptiveScheduler:
         self.queue = AdaptiveQueue(config, self.cost)
         self._cond = threading.Condition()
         self._busy_until_s = 0.0
+        self._send_latency_s = 0.0  # moving average, dispatch end to its last answer sent
         self._running = False  # a dispatch is running (in the scheduler thread or inline in execute)
         self._closing = False
         self._tenant_labels: set[str] = set()
@@ -249,8 +253,11 @@ class AdaptiveScheduler:
         return answers
 
     def _job(self, sub: Submission, texts: list[str], tokens: int, longest: int, now: float) -> Job:
+        # Under self._cond. The answer must be out by the deadline: the time sending takes
+        # (learned; at most half the budget) comes off it.
         target = self.config.target_s
         budget = min(target, sub.timeout_s) if sub.timeout_s > 0 else target
+        budget -= min(self._send_latency_s, budget / 2)
         priority = sub.priority if sub.priority > 0 else self.config.default_priority
         return Job(seq=self.queue.next_seq(), arrival_s=now, deadline_s=now + budget, rows=len(texts),
                    tokens=tokens, max_length=longest, tenant=sub.tenant or DEFAULT_TENANT, priority=priority,
@@ -309,6 +316,32 @@ class AdaptiveScheduler:
             self._busy_until_s = 0.0
             self._cond.notify_all()
 
+    def _track_sends(self, futures: list[Future[None]], since: float) -> None:
+        """Learn how long a dispatch's answers take to go out, from ``since`` to the last one sent.
+
+        Sends run beside the next dispatch (they wait on the server, not on the CPU), so
+        they do not occupy the executor; their latency is taken off every new request's
+        budget instead (``_job``).
+        """
+        if not futures:
+            return
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_sent(_: Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            latency = time.perf_counter() - since
+            with self._cond:
+                self._send_latency_s = (latency if self._send_latency_s == 0 else
+                                        (1 - SEND_EWMA_WEIGHT) * self._send_latency_s + SEND_EWMA_WEIGHT * latency)
+            self.metrics.send_seconds.set(self._send_latency_s)
+
+        for future in futures:
+            future.add_done_callback(one_sent)
+
     def _send_later(self, sub: Submission, result: RequestResult) -> Future[None] | None:
         return self._answer(sub.respond, result)
 
@@ -358,6 +391,8 @@ class AdaptiveScheduler:
         except Exception as exc:  # every request still gets an answer
             self.logger.error(f"dispatch of {len(jobs)} request(s) failed: {exc!r}")
             results = [CoalesceError(f"internal error: {exc}") for _ in jobs]
+        computed = time.perf_counter()
+        actual = computed - t0
         sends = []
         for job, result in zip(jobs, results, strict=True):
             sub, _ = job.payload
@@ -367,11 +402,10 @@ class AdaptiveScheduler:
             else:
                 metrics.tenant_rows(tenant).increment(job.rows)
             sends.append(deliver(sub, result))
-        concurrent.futures.wait([f for f in sends if f is not None])
-        actual = time.perf_counter() - t0
         done = self._clock()
         for job in jobs:
             metrics.tenant_latency(self._tenant_label(job.tenant)).observe(done - job.arrival_s)
+        self._track_sends([f for f in sends if f is not None], computed)
         with self._cond:  # the policy reads the estimator under this lock
             self.cost.observe_dispatch(dispatch.raw_s, dispatch.predicted_s, actual)
         metrics.actual_seconds.observe(actual)
