@@ -327,3 +327,16 @@ def test_a_tenant_at_ten_times_the_others_rate_does_not_push_them_past_the_targe
 def test_only_requests_that_waited_a_while_are_asked_about_cancellation(waited_s, budget_s, asked):
     config = SchedulerConfig(target_s=budget_s, max_queue_rows=10, max_dispatch_rows=10, max_batch_rows=10)
     assert config.asks_if_cancelled(waited_s, budget_s) is asked
+
+
+def test_deadlines_are_planned_with_the_slow_tail_of_recent_dispatches():
+    queue = make_queue(CPU)
+    assert queue.margin == pytest.approx(1.1)  # nothing observed: the configured safety
+    # Four dispatches in five as predicted, one in five twice as long.
+    for i in range(40):
+        queue.cost.observe_dispatch(raw_s=0.01, predicted_s=0.01, actual_s=0.02 if i % 5 == 4 else 0.01)
+    assert 1.5 <= queue.margin <= 2.0
+    # Admission follows: a job that fitted with the plain margin may no longer.
+    work = queue.job_work_s(job(queue, 0.0))
+    tight = job(queue, 0.0, budget_s=work * 1.3)
+    assert queue.admit(tight, 0.0, busy_until_s=0.0) is Rejection.DEADLINE

@@ -368,6 +368,9 @@ class SchedulerMetrics:
         self.cost_model_error = factory.gauge(
             "coalesce_cost_model_error_ratio",
             "Moving average of |actual - predicted| / actual run time per dispatch (learning cost model)", labels)
+        self.cost_model_tail_ratio = factory.gauge(
+            "coalesce_cost_model_tail_ratio",
+            "90th percentile of recent actual over predicted dispatch times (deadlines are planned with it)", labels)
         self.send_seconds = factory.gauge(
             "coalesce_answer_send_seconds",
             "Moving average of seconds from a dispatch's end to its last answer sent (taken off request budgets)",

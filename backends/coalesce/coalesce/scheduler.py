@@ -51,6 +51,12 @@ MIN_SCALE: Final = 0.5
 MAX_SCALE: Final = 8.0
 #: Weight of the moving averages of the cost model's error and correction (per dispatch).
 ERROR_EWMA_WEIGHT: Final = 0.1
+#: Deadlines are planned with this quantile of recent actual over predicted dispatch times: the
+#: model predicts the mean, and a p99 target is missed by the slow dispatches (on a shared, busy
+#: machine one dispatch in ten ran 1.5-2x its prediction here).
+TAIL_QUANTILE: Final = 0.9
+MIN_TAIL_SAMPLES: Final = 16
+MAX_TAIL_RATIO: Final = 4.0
 #: Longest predicted run of one dispatch, as a share of the latency target.
 MAX_DISPATCH_SHARE_OF_TARGET: Final = 0.5
 #: How far (as a share of the target) the plan's start may move before the cached plan is recomputed.
@@ -162,6 +168,9 @@ class CostEstimator:
         self.overhead_s = 0.0
         self.error = 0.0
         self.observed = 0
+        #: Recent actual over predicted dispatch times, and their TAIL_QUANTILE (1.0 until enough are seen).
+        self._ratios: collections.deque[float] = collections.deque(maxlen=dispatch_window)
+        self.tail_ratio = 1.0
 
     def pass_s(self, rows: int, length: int) -> float:
         """Predicted seconds of one forward pass (the pass model alone)."""
@@ -200,6 +209,10 @@ class CostEstimator:
         """Learn from one dispatch: pass-model time ``raw_s``, predicted ``predicted_s``, and ``actual_s`` taken."""
         if raw_s <= 0 or actual_s <= 0:
             return
+        if predicted_s > 0:
+            self._ratios.append(actual_s / predicted_s)
+            if len(self._ratios) >= MIN_TAIL_SAMPLES:
+                self.tail_ratio = float(min(MAX_TAIL_RATIO, np.quantile(np.array(self._ratios), TAIL_QUANTILE)))
         error = abs(actual_s - predicted_s) / actual_s
         self.error = error if not self._dispatches else (
             (1 - ERROR_EWMA_WEIGHT) * self.error + ERROR_EWMA_WEIGHT * error)
@@ -239,11 +252,11 @@ class _Tail:
     longest: int
     due_s: float
     work_s: float
-    safety: float
+    margin: float
 
     @property
     def end_s(self) -> float:
-        return self.start_s + self.work_s * (1 + self.safety)
+        return self.start_s + self.work_s * self.margin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +337,19 @@ class AdaptiveQueue:
         self._seq += 1
         return self._seq
 
+    @property
+    def margin(self) -> float:
+        """Factor on predicted run times when they are compared with deadlines.
+
+        At least ``1 + safety``; more when recent dispatches ran slower than predicted
+        (the ``TAIL_QUANTILE`` of actual over predicted).
+        """
+        return max(1 + self.config.safety, self.cost.tail_ratio)
+
+    def cost_changed(self) -> None:
+        """Drop plans cached under the old costs (call after the estimator learned)."""
+        self._changed()
+
     def job_work_s(self, job: Job) -> float:
         """Predicted seconds of ``job`` alone."""
         return self.cost.work_s(job.rows, job.tokens, job.max_length, self.config.max_batch_rows)
@@ -355,7 +381,7 @@ class AdaptiveQueue:
             else:
                 begin = tail.end_s if tail is not None else plan_start
                 new_tail = _Tail(begin, job.rows, job.tokens, job.max_length, job.deadline_s, self.job_work_s(job),
-                                 self.config.safety)
+                                 self.margin)
             self.last_finish_s = new_tail.end_s
         else:
             new_tail = None
@@ -396,9 +422,9 @@ class AdaptiveQueue:
             last = group
         assert last is not None
         jobs = last.jobs
-        tail = _Tail(last.end_s - last.work_s * (1 + self.config.safety), sum(j.rows for j in jobs),
+        tail = _Tail(last.end_s - last.work_s * self.margin, sum(j.rows for j in jobs),
                      sum(j.tokens for j in jobs), max(j.max_length for j in jobs), last.due_s, last.work_s,
-                     self.config.safety)
+                     self.margin)
         self._tail_cache = (plan_start, self._version, tail)
         return tail
 
@@ -406,11 +432,11 @@ class AdaptiveQueue:
         """``tail`` with ``job`` in it, if ``plan`` would put it there; else None."""
         rows, tokens, longest = tail.rows + job.rows, tail.tokens + job.tokens, max(tail.longest, job.max_length)
         work = self.cost.work_s(rows, tokens, longest, self.config.max_batch_rows)
-        margin = 1 + self.config.safety
+        margin = self.margin
         if (rows > self.config.max_dispatch_rows or work * margin > self.config.target_s * MAX_DISPATCH_SHARE_OF_TARGET
                 or tail.start_s + work * margin > min(tail.due_s, job.deadline_s)):
             return None
-        return _Tail(tail.start_s, rows, tokens, longest, min(tail.due_s, job.deadline_s), work, self.config.safety)
+        return _Tail(tail.start_s, rows, tokens, longest, min(tail.due_s, job.deadline_s), work, margin)
 
     def _changed(self) -> None:
         self._version += 1
@@ -424,7 +450,7 @@ class AdaptiveQueue:
         starts the next dispatch. Admission and
         dispatch plan alike, so what admission promised is what dispatch keeps.
         """
-        margin = 1 + self.config.safety
+        margin = self.margin
         limit_rows, pass_rows = self.config.max_dispatch_rows, self.config.max_batch_rows
         # Dispatches are not preempted: keeping each within half the target leaves a request that
         # arrives just as one starts (a quiet tenant's, a higher priority's) half its budget.
@@ -510,7 +536,7 @@ class AdaptiveQueue:
         None (the queue unchanged) when the policy would wait or the run is longer.
         """
         choice = self._choose(now)
-        if isinstance(choice, Wait) or choice[1] * (1 + self.config.safety) > max_run_s:
+        if isinstance(choice, Wait) or choice[1] * self.margin > max_run_s:
             return None
         return self._commit(*choice)
 
@@ -524,7 +550,7 @@ class AdaptiveQueue:
         if not full and self._last_arrival_s is not None:
             until = self._last_arrival_s + self.optimal_wait_s()
             # Waiting must leave every job of the dispatch time to finish: its deadline, less the run, less the margin.
-            if now < until <= first.due_s - first.work_s * (1 + self.config.safety):
+            if now < until <= first.due_s - first.work_s * self.margin:
                 return Wait(until)
         chosen, late = self._most_on_time(ordered, now)
         if len(chosen) <= len(first.jobs):
@@ -541,7 +567,7 @@ class AdaptiveQueue:
 
     def _most_on_time(self, ordered: list[Job], now: float) -> tuple[list[Job], list[Job]]:
         """The prefix that answers the most jobs by their deadlines, split into (on time, late)."""
-        margin = 1 + self.config.safety
+        margin = self.margin
         longest_run = self.config.target_s * MAX_DISPATCH_SHARE_OF_TARGET
         deadlines: list[float] = []
         rows = tokens = longest = 0

@@ -308,7 +308,7 @@ class AdaptiveScheduler:
     def _start_running(self, dispatch: Dispatch, now: float) -> None:
         # Under self._cond: the executor is taken until _finish_running.
         self._running = True
-        self._busy_until_s = now + dispatch.predicted_s * (1 + self.config.safety)
+        self._busy_until_s = now + dispatch.predicted_s * self.queue.margin
 
     def _finish_running(self) -> None:
         with self._cond:
@@ -408,9 +408,11 @@ class AdaptiveScheduler:
         self._track_sends([f for f in sends if f is not None], computed)
         with self._cond:  # the policy reads the estimator under this lock
             self.cost.observe_dispatch(dispatch.raw_s, dispatch.predicted_s, actual)
+            self.queue.cost_changed()
         metrics.actual_seconds.observe(actual)
         metrics.cost_model_error.set(self.cost.error)
         metrics.cost_model_scale.set(self.cost.scale)
+        metrics.cost_model_tail_ratio.set(self.cost.tail_ratio)
 
     def _observe_pass(self, rows: int, length: int, seconds: float) -> None:
         with self._cond:
