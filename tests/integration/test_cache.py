@@ -26,7 +26,7 @@ def wait_for(condition, timeout_s=30.0):
 
 
 def settled_metric(server, name, model, condition, timeout_s=30.0):
-    """The metric's value once ``condition`` holds for it (the backend sends its metrics once a second).
+    """The metric's value once ``condition`` holds for it (the backend sends its metrics every 100 ms).
 
     Fails the test with the last value seen if it never does within ``timeout_s``.
     """

@@ -134,7 +134,7 @@ def test_concurrent_load_is_batched(server, capsys):
 
 def test_metrics_are_exported(server):
     embed_raw(server, "http", ["count me", "and me"])
-    settled_metric(server, "coalesce_stage_seconds_count", "minilm", lambda v: v >= 6)  # sent once a second
+    settled_metric(server, "coalesce_stage_seconds_count", "minilm", lambda v: v >= 6)  # sent every 100 ms
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         text = response.read().decode()
     labels = 'model="minilm",version="1"'
