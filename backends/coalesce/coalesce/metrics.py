@@ -288,7 +288,6 @@ class BufferedMetricFactory:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._on_error = on_error
-        self._errors = 0
         self._last_error_report_s = -math.inf
         self._stop = threading.Event()
         self._dropped = self._register(_BufferedCounter(target.counter(
@@ -328,7 +327,6 @@ class BufferedMetricFactory:
                 try:
                     handle.flush()
                 except Exception as exc:  # a metric that cannot be sent must not stop the others
-                    self._errors += 1
                     now = time.monotonic()
                     if self._on_error is not None and now - self._last_error_report_s >= ERROR_REPORT_INTERVAL_S:
                         self._last_error_report_s = now

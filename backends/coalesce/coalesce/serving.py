@@ -240,7 +240,7 @@ class AdaptiveScheduler:
         def deliver(sub: Submission, result: RequestResult) -> Future[None] | None:
             at = own.get(id(sub))
             if at is None:
-                return self._answer(sub.respond, result)
+                return self._answer(sub, result)
             answers[at] = result
             return None
 
@@ -298,10 +298,10 @@ class AdaptiveScheduler:
                         self._cond.wait(None if math.isinf(decision.until_s) else max(0.0, decision.until_s - now))
                 self._set_depth()
             if dispatch is None:
-                self._reject(dropped, now, self._send_later)
+                self._reject(dropped, now, self._answer)
                 continue
             try:
-                self._run(dispatch, now, self._send_later)
+                self._run(dispatch, now, self._answer)
             finally:
                 self._finish_running()
 
@@ -342,9 +342,6 @@ class AdaptiveScheduler:
         for future in futures:
             future.add_done_callback(one_sent)
 
-    def _send_later(self, sub: Submission, result: RequestResult) -> Future[None] | None:
-        return self._answer(sub.respond, result)
-
     def _reject(self, dropped: list[tuple[Job, Rejection]], now: float, deliver: Deliver) -> None:
         for job, reason in dropped:
             self.metrics.rejections[reason.value].increment(1)
@@ -357,11 +354,10 @@ class AdaptiveScheduler:
         return decision
 
     def _run(self, dispatch: Dispatch, started: float, deliver: Deliver) -> None:
-        """Run ``dispatch`` and deliver every answer; returns once the answers are sent.
+        """Run ``dispatch`` and hand every answer to ``deliver``.
 
-        The run time the cost model learns from ends when the last answer is sent: sending
-        is part of what a dispatch costs the server, and a deadline is met only when the
-        answer is out.
+        The run time the cost model learns from ends with the computation: answers go out
+        beside the next dispatch, and their latency is learned apart (``_track_sends``).
         """
         metrics = self.metrics
         for job in dispatch.expired:
@@ -393,18 +389,17 @@ class AdaptiveScheduler:
             results = [CoalesceError(f"internal error: {exc}") for _ in jobs]
         computed = time.perf_counter()
         actual = computed - t0
+        tenants = [self._tenant_label(job.tenant) for job in jobs]
         sends = []
-        for job, result in zip(jobs, results, strict=True):
-            sub, _ = job.payload
-            tenant = self._tenant_label(job.tenant)
+        for job, tenant, result in zip(jobs, tenants, results, strict=True):
             if isinstance(result, CoalesceError):
                 metrics.tenant_failures(tenant).increment(1)
             else:
                 metrics.tenant_rows(tenant).increment(job.rows)
-            sends.append(deliver(sub, result))
+            sends.append(deliver(job.payload[0], result))
         done = self._clock()
-        for job in jobs:
-            metrics.tenant_latency(self._tenant_label(job.tenant)).observe(done - job.arrival_s)
+        for job, tenant in zip(jobs, tenants, strict=True):
+            metrics.tenant_latency(tenant).observe(done - job.arrival_s)
         self._track_sends([f for f in sends if f is not None], computed)
         with self._cond:  # the policy reads the estimator under this lock
             self.cost.observe_dispatch(dispatch.raw_s, dispatch.predicted_s, actual)
@@ -420,11 +415,12 @@ class AdaptiveScheduler:
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    def _answer(self, respond: Callable[[RequestResult], None], result: RequestResult) -> Future[None] | None:
+    def _answer(self, sub: Submission, result: RequestResult) -> Future[None] | None:
+        """Send ``sub``'s answer from a sender thread (the ``Deliver`` of answers not returned from execute)."""
         try:
-            return self._senders.submit(self._send, respond, result)
+            return self._senders.submit(self._send, sub.respond, result)
         except RuntimeError:  # the sender threads are gone (after close): answer from this thread
-            self._send(respond, result)
+            self._send(sub.respond, result)
             return None
 
     def _send(self, respond: Callable[[RequestResult], None], result: RequestResult) -> None:
