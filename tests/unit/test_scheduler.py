@@ -58,6 +58,32 @@ def test_waits_while_arrivals_outpace_the_fixed_cost_then_dispatches():
     assert isinstance(queue.decide(decision.until_s), Dispatch)
 
 
+def test_the_wait_counts_the_servers_per_dispatch_overhead_not_only_the_pass_models():
+    # CPU pass model: 2 ms fixed. At 400 rows/s that alone does not pay for waiting (a * rate = 0.8);
+    # once the server is seen to spend 3 ms more per dispatch (Python, answers) and run passes 1.5x
+    # slower, merging saves 6 ms a dispatch and waiting pays (6 ms * 400/s = 2.4).
+    queue = make_queue(CPU)
+    for i in range(4):
+        t = i * 0.0025
+        assert queue.admit(job(queue, t), t, busy_until_s=0.0) is None
+    assert queue.optimal_wait_s() == 0.0
+    assert isinstance(queue.decide(0.0075), Dispatch)
+    estimator = queue.cost
+    for i in range(40):
+        rows = 1 + i % 20
+        raw = estimator.raw_work_s(rows, rows * 16, 16, 64)
+        estimator.observe_dispatch(raw, estimator.work_s(rows, rows * 16, 16, 64), 0.003 + 1.5 * raw)
+    assert estimator.fixed_s == pytest.approx(0.003 + 1.5 * CPU.a_s, rel=0.02)
+    for i in range(4, 8):
+        t = i * 0.0025
+        assert queue.admit(job(queue, t), t, busy_until_s=0.0) is None
+    rate = queue.arrival_rate_rows_per_s
+    expected = math.log(estimator.fixed_s * rate) / rate
+    assert expected > 0 and queue.optimal_wait_s() == pytest.approx(expected)
+    decision = queue.decide(0.0175)
+    assert isinstance(decision, Wait) and decision.until_s == pytest.approx(0.0175 + expected)
+
+
 def test_decide_within_takes_only_a_short_dispatch_and_otherwise_leaves_the_queue_alone():
     queue = make_queue(CPU)
     for t in (0.0, 0.010):

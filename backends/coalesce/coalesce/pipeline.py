@@ -289,7 +289,7 @@ class EmbeddingPipeline:
 
     def token_lengths(self, texts: Sequence[str]) -> np.ndarray:
         """Token length of each text after truncation (what a pass over it costs)."""
-        return self.tokenizer.encode(list(texts)).lengths
+        return self.tokenizer.lengths(texts)
 
     def _decode(self, rows: Sequence[bytes | str]) -> list[str]:
         if len(rows) == 0:

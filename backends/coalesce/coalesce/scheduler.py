@@ -19,13 +19,16 @@ The policy, in short:
   timeout, whichever is sooner.
 - **Dispatch.** When the executor is free: drop cancelled jobs and those that can no
   longer finish in time, then take jobs in order up to ``max_dispatch_rows``. Waiting
-  for more rows pays only by merging them into this pass, which saves the pass's fixed
-  cost ``a``; with arrivals at rate ``λ`` rows/s (measured from recent gaps), waiting
-  ``δ`` saves ``a (1 - e^{-λδ})`` of executor time and costs ``δ`` of it, so the best
-  wait is ``δ* = ln(aλ)/λ`` when ``aλ > 1`` and none otherwise. It is taken from the
-  last arrival, and only while every job in the pass still meets its deadline after it.
-  On a CPU ``a`` is small and the policy dispatches at once; on a GPU ``a`` dominates
-  and it waits while requests keep arriving faster than one per ``a``.
+  for more rows pays only by merging them into this pass, which saves a dispatch's fixed
+  cost ``a`` (the learned per-dispatch overhead of the server plus the pass model's
+  fixed cost, scaled as the server runs it: ``CostEstimator.fixed_s``); with arrivals
+  at rate ``λ`` rows/s (measured from recent gaps), waiting ``δ`` saves
+  ``a (1 - e^{-λδ})`` of executor time and costs ``δ`` of it, so the best wait is
+  ``δ* = ln(aλ)/λ`` when ``aλ > 1`` and none otherwise. It is taken from the last
+  arrival, and only while every job in the pass still meets its deadline after it.
+  On a CPU ``a`` is small and the policy dispatches at once until requests arrive
+  faster than one per dispatch's fixed cost; on a GPU ``a`` dominates and it waits
+  while requests keep arriving faster than one per ``a``.
 """
 
 from __future__ import annotations
@@ -189,6 +192,11 @@ class CostEstimator:
         mean_length = tokens / rows
         passes = math.ceil(rows / max_batch_rows)
         return m.a_s * passes + m.b_s * tokens + m.c_s * tokens * min(mean_length, max_length)
+
+    @property
+    def fixed_s(self) -> float:
+        """Predicted seconds a dispatch costs whatever its rows: what merging two dispatches into one saves."""
+        return self.overhead_s + self.scale * self.model.a_s
 
     def work_s(self, rows: int, tokens: int, max_length: int, max_batch_rows: int) -> float:
         """Predicted seconds of one dispatch of these rows, as the server runs it."""
@@ -507,7 +515,7 @@ class AdaptiveQueue:
 
     def optimal_wait_s(self) -> float:
         """``δ*``: how long after the last arrival waiting for more rows still pays (0: it does not)."""
-        a = self.cost.model.a_s
+        a = self.cost.fixed_s
         rate = self.arrival_rate_rows_per_s
         if math.isinf(rate):
             return a  # arrivals closer together than the clock resolves: a burst is still coming

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Final
 
+import numpy as np
+
 from coalesce.errors import CancelledError, CoalesceError, InvalidInputError, UnavailableError
 from coalesce.log import Logger
 from coalesce.metrics import SchedulerMetrics
@@ -205,14 +207,20 @@ class AdaptiveScheduler:
         """
         now = self._clock()
         answers: list[RequestResult | None] = [None] * len(submissions)
-        prepared: list[tuple[int, Submission, list[str], int, int]] = []
+        decoded: list[tuple[int, Submission, list[str]]] = []
         for index, sub in enumerate(submissions):
             texts = self.pipeline.decode(sub.rows)
             if isinstance(texts, CoalesceError):
                 answers[index] = texts
-                continue
-            lengths = self.pipeline.token_lengths(texts)
-            prepared.append((index, sub, texts, int(lengths.sum()), int(lengths.max())))
+            else:
+                decoded.append((index, sub, texts))
+        # One batched call for every row of this execute (the tokenizer runs it in parallel).
+        lengths = self.pipeline.token_lengths([text for *_, texts in decoded for text in texts])
+        ends = np.cumsum([len(texts) for *_, texts in decoded], dtype=np.int64)
+        prepared: list[tuple[int, Submission, list[str], int, int]] = []
+        for (index, sub, texts), end in zip(decoded, ends, strict=True):
+            mine = lengths[end - len(texts):end]
+            prepared.append((index, sub, texts, int(mine.sum()), int(mine.max())))
         inline: Dispatch | None = None
         dropped: list[tuple[Job, Rejection]] = []
         with self._cond:

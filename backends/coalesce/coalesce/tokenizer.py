@@ -69,6 +69,11 @@ class TextTokenizer:
         self._tokenizer.enable_truncation(max_length=max_sequence_length)
         self.max_sequence_length = max_sequence_length
 
+    def lengths(self, texts: Sequence[str]) -> np.ndarray:
+        """Token count of each text (special tokens added, truncated), without keeping the ids."""
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=True)
+        return np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+
     def encode(self, texts: Sequence[str]) -> EncodedRows:
         """Tokenise all texts in one batched call (special tokens added, truncated)."""
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=True)
