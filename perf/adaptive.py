@@ -12,7 +12,8 @@ point (alternating which goes first):
 Measured per profile:
 
 1. Concurrency 1 (perf_analyzer): p50 latency over the bare compute time of one text
-   (the pipeline in process, no server).
+   (the pipeline in process, no server), each ratio within one of ``--c1-rounds``
+   interleaved rounds, the median over rounds reported.
 2. Capacity: the static system's closed-loop throughput at concurrency 32.
 3. Locust, open loop (arrivals do not wait for answers; a pool of users bounds what is in
    flight): steady and Poisson arrivals at fractions and multiples of that capacity,
@@ -43,6 +44,7 @@ from typing import Any
 
 from coalesce import perfanalyzer, tune
 from coalesce.launcher import ServerOptions, TritonServer, free_port
+from coalesce.pipeline import EmbeddingPipeline
 from perf import limits, repository, workloads
 from perf.load import run_locust
 
@@ -150,15 +152,55 @@ def chosen_point(report_path: Path, target_ms: float, profile: str) -> tune.Tune
     return tune.TunePoint.from_dict(chosen["point"])
 
 
-def bare_compute_ms(texts: list[str], count: int = 100) -> float:
+def bare_compute_ms(pipeline: EmbeddingPipeline, texts: list[str], count: int = 100) -> float:
     """Median in-process time (ms) to embed one text alone: the floor for latency at concurrency 1."""
-    pipeline = limits.make_pipeline(MINILM / "1")
     times = []
     for text in texts[:count]:
         start = time.perf_counter()
         pipeline.embed([[text.encode("utf-8")]])
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
+
+
+def concurrency_one(server: TritonServer, models: dict[str, str], texts: list[str], input_data: Path,
+                    workdir: Path, rounds: int) -> dict[str, Any]:
+    """p50 at concurrency 1 of each served model over the bare compute, in interleaved rounds.
+
+    This machine's speed drifts by more than the 20% the target allows between minutes,
+    so one bare measurement and one served measurement taken a minute apart do not
+    compare. Each round measures the bare compute and every model back to back (the
+    order rotating per round); each ratio is taken within its round and the median over
+    rounds is reported.
+    """
+    pipeline = limits.make_pipeline(MINILM / "1")
+    bare_compute_ms(pipeline, texts, count=20)  # warm-up: ONNX Runtime's first runs are slow
+    names = ["bare", *models]
+    per_round: list[dict[str, float]] = []
+    for index in range(rounds):
+        shift = index % len(names)
+        measured: dict[str, float] = {}
+        for name in names[shift:] + names[:shift]:
+            if name == "bare":
+                measured[name] = bare_compute_ms(pipeline, texts)
+            else:
+                measured[name] = perfanalyzer.measure(
+                    model=models[name], protocol="grpc", url=server.grpc_url, grpc_url=server.grpc_url,
+                    input_data=input_data, concurrency=1, request_count=100, workdir=workdir)["p50_ms"]
+        per_round.append(measured)
+    return c1_summary(per_round)
+
+
+def c1_summary(per_round: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians over rounds of each p50 and of each ratio taken within a round (``bare`` is the in-process time)."""
+    figures: dict[str, Any] = {"bare_compute_ms": statistics.median(r["bare"] for r in per_round),
+                               "c1_rounds": per_round}
+    models = [name for name in per_round[0] if name != "bare"]
+    for name in models:
+        figures[f"{name}_c1_p50_ms"] = statistics.median(r[name] for r in per_round)
+        figures[f"{name}_c1_over_bare"] = statistics.median(r[name] / r["bare"] for r in per_round)
+        if "floor" in models and name != "floor":
+            figures[f"{name}_c1_over_floor"] = statistics.median(r[name] / r["floor"] for r in per_round)
+    return figures
 
 
 def tenant_latency_buckets(metrics_url: str, model: str) -> dict[str, dict[float, float]]:
@@ -200,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                              "queue (default_queue_policy REJECT); 0 leaves Triton's queue unbounded")
     parser.add_argument("--capacity", default="",
                         help="capacity per profile ('queries=300,...') instead of measuring it (static, N=32)")
+    parser.add_argument("--c1-rounds", type=int, default=3,
+                        help="interleaved rounds of the concurrency-1 measurement (bare compute and every model)")
     parser.add_argument("--no-tenants", action="store_true", help="skip the tenant-isolation run")
     parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("adaptive-%Y%m%dT%H%M%SZ"))
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
@@ -278,19 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                                             request_count=200, workdir=workdir)
             figures["capacity_per_s"] = float(capacities.get(profile, capacity["throughput_per_s"]))
             figures["measured_capacity_per_s"] = capacity["throughput_per_s"]
-            figures["bare_compute_ms"] = bare_compute_ms(texts[profile])
             # The served floor: Triton's scheduler with no queue delay (no waiting at all), through the
             # same server, protocol and Python backend: what any scheduler pays at concurrency 1.
             c1_models = {**models(profile), "floor": FLOOR_MODEL}
             if args.triton_queue_share > 0:
                 c1_models["inline"] = inline_model(profile)
-            for system, model in c1_models.items():
-                c1 = perfanalyzer.measure(model=model, protocol="grpc", url=server.grpc_url, grpc_url=server.grpc_url,
-                                          input_data=inputs[profile], concurrency=1, request_count=100,
-                                          workdir=workdir)
-                figures[f"{system}_c1_p50_ms"] = c1["p50_ms"]
-                figures[f"{system}_c1_over_bare"] = c1["p50_ms"] / figures["bare_compute_ms"]
-            figures["adaptive_c1_over_floor"] = figures["adaptive_c1_p50_ms"] / figures["floor_c1_p50_ms"]
+            figures.update(concurrency_one(server, c1_models, texts[profile], inputs[profile], workdir,
+                                           args.c1_rounds))
             summary[profile] = figures
             sys.stderr.write(f"eval: {profile}: {figures}\n")
             cap = figures["capacity_per_s"]
@@ -399,13 +437,20 @@ def markdown(run: dict[str, Any]) -> str:
               "adaptive / bare | adaptive / served floor | capacity/s (static, N=32) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     inline = [f"{p}: {point['inline_c1_p50_ms']:.1f} ms ({point['inline_c1_over_bare']:.2f} x bare, "
-              f"{point['inline_c1_p50_ms'] / point['floor_c1_p50_ms']:.2f} x served floor)"
+              f"{point['inline_c1_over_floor']:.2f} x served floor)"
               for p, point in run["profiles"].items() if "inline_c1_p50_ms" in point]
     for p, point in run["profiles"].items():
         lines.append(f"| {p} | {point['bare_compute_ms']:.1f} | {point['floor_c1_p50_ms']:.1f} | "
                      f"{point['static_c1_p50_ms']:.1f} | {point['adaptive_c1_p50_ms']:.1f} | "
                      f"{point['adaptive_c1_over_bare']:.2f} | {point['adaptive_c1_over_floor']:.2f} | "
                      f"{point['capacity_per_s']:.1f} |")
+    rounds = [(p, i, r) for p, point in run["profiles"].items() for i, r in enumerate(point.get("c1_rounds", []))]
+    if rounds:
+        names = list(rounds[0][2])
+        lines += ["", "Medians over interleaved rounds; each ratio is taken within its round. The rounds (p50 ms):", "",
+                  "| profile | round | " + " | ".join(names) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+        lines += [f"| {p} | {i + 1} | " + " | ".join(f"{r[n]:.2f}" for n in names) + " |" for p, i, r in rounds]
     if inline:
         lines += ["", "Adaptive without Triton's queue policy (short dispatches then run inline in `execute` on an "
                   "idle model), concurrency 1: " + "; ".join(inline) + "."]

@@ -2,7 +2,7 @@
 
 import math
 
-from perf.adaptive import p99_bound_ms, verdicts
+from perf.adaptive import c1_summary, p99_bound_ms, verdicts
 
 
 def test_p99_bound_is_the_first_bucket_holding_99_percent():
@@ -30,3 +30,16 @@ def test_verdicts_judge_each_target_on_its_numbers():
     assert not bad["q: c=1 p50 <= 1.2 x bare compute"]["met"]
     assert bad["q: goodput >= static at every load"]["misses"] == ["steady x1.0: 90 < 100"]
     assert not bad["q: goodput at 2x overload >= 0.9 x peak"]["met"]
+
+
+def test_c1_ratios_are_taken_within_each_round_then_the_median():
+    # The machine slows by half in round 2: every time doubles, the ratios within it do not change.
+    rounds = [{"bare": 5.0, "adaptive": 6.0, "floor": 5.5}, {"bare": 10.0, "adaptive": 12.0, "floor": 11.0},
+              {"bare": 5.0, "adaptive": 7.0, "floor": 5.0}]
+    figures = c1_summary(rounds)
+    assert figures["bare_compute_ms"] == 5.0
+    assert figures["adaptive_c1_p50_ms"] == 7.0
+    assert figures["adaptive_c1_over_bare"] == 1.2  # median of 1.2, 1.2, 1.4 (a ratio of medians would say 1.4)
+    assert figures["floor_c1_over_bare"] == 1.1
+    assert math.isclose(figures["adaptive_c1_over_floor"], 12.0 / 11.0)
+    assert "floor_c1_over_floor" not in figures and figures["c1_rounds"] == rounds

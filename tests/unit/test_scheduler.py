@@ -3,6 +3,7 @@
 import heapq
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from coalesce.scheduler import (
     AdaptiveQueue,
     CostEstimator,
     Dispatch,
+    DispatchWindow,
     Job,
     Rejection,
     SchedulerConfig,
@@ -366,3 +368,28 @@ def test_deadlines_are_planned_with_the_slow_tail_of_recent_dispatches():
     work = queue.job_work_s(job(queue, 0.0))
     tight = job(queue, 0.0, budget_s=work * 1.3)
     assert queue.admit(tight, 0.0, busy_until_s=0.0) is Rejection.DEADLINE
+
+
+def test_dispatch_window_keeps_numpys_fit_and_quantile_over_a_sliding_window():
+    rng = np.random.default_rng(7)
+    window = DispatchWindow(64)
+    history = []
+    for i in range(300):  # past several windows: evictions and the exact recomputes
+        raw = float(rng.uniform(0.001, 0.05))
+        actual = 0.002 + 1.3 * raw * float(rng.uniform(0.7, 1.6))
+        ratio = actual / (1.1 * raw) if i % 5 else None  # some dispatches had no prediction
+        window.add(raw, actual, ratio)
+        history.append((raw, actual, ratio))
+        if i < 8 or (i % 37 and i != 299):
+            continue
+        recent = history[-64:]
+        raws = np.array([r for r, _, _ in recent])
+        actuals = np.array([a for _, a, _ in recent])
+        weights = 1.0 / actuals
+        design = np.stack([np.ones_like(raws), raws], axis=1) * weights[:, None]
+        (overhead, scale), *_ = np.linalg.lstsq(design, actuals * weights, rcond=None)
+        assert window.line() == pytest.approx((overhead, scale), rel=1e-6)
+        ratios = [q for *_, q in history if q is not None][-64:]
+        assert window.quantile(0.9) == pytest.approx(float(np.quantile(ratios, 0.9)), rel=1e-12)
+        assert window.spread() == pytest.approx(float(np.ptp(raws) / raws.mean()))
+        assert window.ratio() == pytest.approx(actuals.sum() / raws.sum())
