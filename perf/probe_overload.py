@@ -6,7 +6,7 @@ policy at ``--triton-queue-share`` of the target), one steady Locust run over gR
 count and time, the cost model's scale and tail ratio, and the backend's arrival-to-answer
 latency buckets, so a client-side p99 can be split into backend time and the rest.
 
-    python -m perf.probe_overload --rate 480 [--param metrics_interval_ms=1000 ...]
+    python -m perf.probe_overload --rate 480 [--tenants noisy:10,quiet-a:1,quiet-b:1] [--param key=value ...]
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from perf import adaptive
 from perf.load import run_locust
 
 #: Metric families printed after the run (the backend's and Triton's own).
-SHOWN = re.compile(r"^(coalesce_rejections_total|coalesce_dispatch_seconds_(sum|count)|coalesce_cost_model_\w+|"
+SHOWN = re.compile(r"^(coalesce_rejections_total|coalesce_tenant_rejections_total|coalesce_tenant_rows_total|"
+                   r"coalesce_dispatch_(seconds|predicted_seconds|rows)_(sum|count)|coalesce_cost_model_\w+|"
                    r"coalesce_answer_send_seconds|coalesce_tenant_latency_seconds_bucket|nv_inference_queue_duration_us|"
                    r"nv_inference_exec_count|nv_inference_request_success)\{")
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-ms", type=float, default=200.0)
     parser.add_argument("--triton-queue-share", type=float, default=0.25)
     parser.add_argument("--profile", default="queries")
+    parser.add_argument("--tenants", default="", help="tenant shares, as the eval's tenant run: 'noisy:10,quiet-a:1'")
     parser.add_argument("--param", action="append", default=[], help="extra model parameter key=value")
     args = parser.parse_args(argv)
     config = adaptive.adaptive_config(args.target_ms, name="probe", triton_queue_timeout_share=args.triton_queue_share)
@@ -55,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run_locust(shape="steady", protocol="grpc", rate_per_s=args.rate, duration_s=args.duration_s,
                             pool=256, profile=args.profile, grpc_url=server.grpc_url, http_url=server.http_url,
                             prefix=workdir / "locust", model="probe", html=False,
-                            extra=["--target-ms", str(args.target_ms), "--allow-rejections"])
-        print({k: result.get(k) for k in ("goodput_per_s", "ok_p99_ms", "rejected", "errors")})
+                            extra=["--target-ms", str(args.target_ms), "--allow-rejections",
+                                   *(["--tenants", args.tenants] if args.tenants else [])])
+        print({k: result.get(k) for k in ("goodput_per_s", "ok_p99_ms", "rejected", "errors", "tenants")})
         print(top.communicate()[0])
         time.sleep(1.0)  # metrics reach Triton every metrics_interval_ms
         text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()

@@ -25,25 +25,20 @@ class Answers:
 
     def __init__(self):
         self.results = {}
-        self.lock = threading.Lock()
-        self.all_in = threading.Event()
-        self.expected = None
+        self.arrived = threading.Condition()
 
     def responder(self, key):
         def respond(result):
-            with self.lock:
+            with self.arrived:
                 assert key not in self.results, f"request {key} answered twice"
                 self.results[key] = result
-                if self.expected is not None and len(self.results) >= self.expected:
-                    self.all_in.set()
+                self.arrived.notify_all()
         return respond
 
     def wait(self, count, timeout_s=60):
-        with self.lock:
-            self.expected = count
-            if len(self.results) >= count:
-                self.all_in.set()
-        assert self.all_in.wait(timeout_s), f"only {len(self.results)} of {count} answers arrived"
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: len(self.results) >= count, timeout_s), (
+                f"only {len(self.results)} of {count} answers arrived")
 
 
 def submit(scheduler, submissions):
@@ -53,7 +48,7 @@ def submit(scheduler, submissions):
             sub.respond(result)
 
 
-def make_scheduler(tokenizer, runtime=None, cancel_check_share=0.0, **params):
+def make_scheduler(tokenizer, runtime=None, cancel_check_share=0.0, inline_share=None, **params):
     params = {"cost_model": "0.001,0.0001,0", "scheduling": "adaptive", **params}
     settings = Settings.from_parameters({k: str(v) for k, v in params.items()}, model_name="m",
                                         max_batch_size=64, embedding_dim=DIM)
@@ -62,6 +57,8 @@ def make_scheduler(tokenizer, runtime=None, cancel_check_share=0.0, **params):
                                  PipelineMetrics(factory, model="m", version="1"))
     config = dataclasses.replace(scheduler_config(settings), cancel_check_share=cancel_check_share,
                                  cancel_check_wait_s=60.0)
+    if inline_share is not None:
+        config = dataclasses.replace(config, inline_share=inline_share)
     scheduler = AdaptiveScheduler(pipeline, config, SchedulerMetrics(factory, model="m", version="1"))
     return scheduler, factory
 
@@ -109,16 +106,35 @@ def test_bad_input_is_answered_at_once_and_neighbours_are_served(tokenizer):
     scheduler.close()
 
 
-def test_cancelled_requests_are_never_computed(tokenizer):
-    runtime = TableRuntime()
-    scheduler, factory = make_scheduler(tokenizer, runtime)
+def test_cancelled_requests_are_dropped_while_queued_without_the_executor_asking(tokenizer):
+    # The executor is held by a first dispatch; the cancellation watcher finds the queued request
+    # cancelled and answers it, so the executor never computes it nor waits for the question.
+    gate, started = threading.Event(), threading.Event()
+
+    class HeldRuntime(TableRuntime):
+        def run(self, *args):
+            started.set()
+            gate.wait(10)
+            return super().run(*args)
+
+    runtime = HeldRuntime()
+    scheduler, factory = make_scheduler(tokenizer, runtime, target_p99_ms=60_000, inline_share=0)
     answers = Answers()
+    submit(scheduler, [Submission(rows=enc(["first"]), respond=answers.responder("first"))])
+    assert started.wait(10)
+    asked_from = []
     submit(scheduler, [Submission(rows=enc(["cancel me please"]), respond=answers.responder("gone"),
-                                 is_cancelled=lambda: True)])
+                                 is_cancelled=lambda: asked_from.append(threading.current_thread().name) or True)])
     answers.wait(1)
     assert isinstance(answers.results["gone"], CancelledError)
-    assert runtime.calls == []
+    gate.set()
+    answers.wait(2)
+    assert answers.results["first"].shape == (1, DIM), answers.results["first"]
+    assert len(runtime.calls) == 1  # "first" only
+    assert asked_from == ["coalesce-cancel"]
     assert factory.value("coalesce_rejections_total", reason="cancelled") == 1
+    assert factory.value("coalesce_tenant_rejections_total", reason="cancelled", tenant="default") == 1
+    assert factory.value("coalesce_queue_requests") == 0
     scheduler.close()
 
 

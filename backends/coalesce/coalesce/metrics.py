@@ -375,20 +375,28 @@ class SchedulerMetrics:
             labels)
         self.cost_model_scale = factory.gauge(
             "coalesce_cost_model_scale", "Learned correction of predicted run times (actual over predicted)", labels)
+        self.cost_model_overhead_seconds = factory.gauge(
+            "coalesce_cost_model_overhead_seconds",
+            "Learned seconds every dispatch costs beyond its forward passes (predicted = overhead + scale * passes)",
+            labels)
         self.rejections = {
             reason: factory.counter("coalesce_rejections_total", "Requests answered without being computed",
                                     {**labels, "reason": reason})
             for reason in REJECTION_REASONS
         }
-        self._tenant: dict[tuple[str, str], Counter | Histogram] = {}
+        self._tenant: dict[tuple[str, str, str], Counter | Histogram] = {}
         self._lock = threading.Lock()
 
-    def _per_tenant(self, kind: str, tenant: str) -> Counter | Histogram:
+    def _per_tenant(self, kind: str, tenant: str, reason: str = "") -> Counter | Histogram:
         with self._lock:
-            handle = self._tenant.get((kind, tenant))
+            handle = self._tenant.get((kind, tenant, reason))
             if handle is None:
                 labels = {**self._labels, "tenant": tenant}
-                if kind == "rows":
+                if kind == "rejections":
+                    handle = self._factory.counter(
+                        "coalesce_tenant_rejections_total", "Requests answered without being computed, per tenant",
+                        {**labels, "reason": reason})
+                elif kind == "rows":
                     handle = self._factory.counter("coalesce_tenant_rows_total", "Rows answered per tenant", labels)
                 elif kind == "failures":
                     handle = self._factory.counter(
@@ -398,8 +406,12 @@ class SchedulerMetrics:
                     handle = self._factory.histogram(
                         "coalesce_tenant_latency_seconds", "Seconds from arrival to answer per request, per tenant",
                         labels, WAIT_SECONDS_BUCKETS)
-                self._tenant[(kind, tenant)] = handle
+                self._tenant[(kind, tenant, reason)] = handle
             return handle
+
+    def tenant_rejections(self, tenant: str, reason: str) -> Counter:
+        """Requests of ``tenant`` refused for ``reason`` (one of ``REJECTION_REASONS``)."""
+        return self._per_tenant("rejections", tenant, reason)  # type: ignore[return-value]
 
     def tenant_rows(self, tenant: str) -> Counter:
         """Rows answered for ``tenant``."""
