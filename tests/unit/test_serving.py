@@ -2,6 +2,7 @@
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -135,6 +136,38 @@ def test_cancelled_requests_are_dropped_while_queued_without_the_executor_asking
     assert factory.value("coalesce_rejections_total", reason="cancelled") == 1
     assert factory.value("coalesce_tenant_rejections_total", reason="cancelled", tenant="default") == 1
     assert factory.value("coalesce_queue_requests") == 0
+    scheduler.close()
+
+
+def test_a_request_is_never_answered_while_its_client_is_being_asked_about_cancellation(tokenizer):
+    # The server frees a request once it is answered: a question in flight must return first.
+    gate, started, asking = threading.Event(), threading.Event(), threading.Event()
+    returned_at, answered_at = [], []
+
+    class HeldRuntime(TableRuntime):
+        def run(self, *args):
+            started.set()
+            gate.wait(10)
+            return super().run(*args)
+
+    def slow_question():
+        asking.set()
+        time.sleep(0.3)
+        returned_at.append(time.monotonic())
+        return False
+
+    scheduler, _ = make_scheduler(tokenizer, HeldRuntime(), target_p99_ms=60_000, inline_share=0)
+    answers = Answers()
+    submit(scheduler, [Submission(rows=enc(["first"]), respond=answers.responder("first"))])
+    assert started.wait(10)
+    respond = answers.responder("second")
+    submit(scheduler, [Submission(rows=enc(["second"]), is_cancelled=slow_question,
+                                  respond=lambda result: answered_at.append(time.monotonic()) or respond(result))])
+    assert asking.wait(10)
+    gate.set()  # the executor takes "second" while the question is still out
+    answers.wait(2)
+    assert answers.results["second"].shape == (1, DIM)
+    assert answered_at[0] >= returned_at[0]
     scheduler.close()
 
 

@@ -38,7 +38,7 @@ import collections
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -95,6 +95,8 @@ class Job:
         is_cancelled: Asks whether the client has cancelled it.
         virtual_finish: Fair-queuing tag, set at admission.
         cancelled: Found cancelled while queued (``coalesce.serving`` asks off the dispatch path).
+        asking: Its client is being asked about cancellation now: it must not be answered until
+            the question returns (the server frees a request once it is answered).
         next_cancel_check_s: When it may next be asked whether it was cancelled.
     """
 
@@ -110,6 +112,7 @@ class Job:
     is_cancelled: Callable[[], bool] | None = None
     virtual_finish: float = 0.0
     cancelled: bool = False
+    asking: bool = False
     next_cancel_check_s: float = 0.0
 
     def order_key(self) -> tuple[int, float, int]:
@@ -137,7 +140,7 @@ class SchedulerConfig:
     cancel_check_share: float = 0.1
     cancel_check_wait_s: float = 0.02
     #: How often queued jobs are looked over for ones due to be asked.
-    cancel_check_period_s: float = 0.01
+    cancel_check_period_s: float = 0.02
     #: Longest predicted run, as a share of the target, that ``execute`` may run inline on an idle
     #: executor (0: never; see ``coalesce.serving.AdaptiveScheduler.submit``).
     inline_share: float = 0.1
@@ -424,9 +427,9 @@ class AdaptiveQueue:
         return 1.0 / self._gap_per_row_s
 
     @property
-    def jobs(self) -> list[Job]:
-        """The queued jobs in service order (a copy)."""
-        return list(self._jobs)
+    def jobs(self) -> Sequence[Job]:
+        """The queued jobs in service order (the queue's own list: read, never change it)."""
+        return self._jobs
 
     def withdraw(self, jobs: Iterable[Job]) -> list[Job]:
         """Take ``jobs`` off the queue; return those that were still in it."""

@@ -16,7 +16,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Final
 
@@ -187,9 +187,10 @@ class AdaptiveScheduler:
         # threads overlaps those waits, and the scheduler thread goes on to the next dispatch meanwhile.
         self._senders = concurrent.futures.ThreadPoolExecutor(max_workers=ANSWER_THREADS,
                                                               thread_name_prefix="coalesce-answer")
+        self._stop_watching = threading.Event()
+        self._settling = 0  # threads waiting in _settle
         self._thread = threading.Thread(target=self._loop, name="coalesce-scheduler", daemon=True)
         self._thread.start()
-        self._stop_watching = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="coalesce-cancel", daemon=True)
         self._watcher.start()
 
@@ -354,6 +355,7 @@ class AdaptiveScheduler:
             future.add_done_callback(one_sent)
 
     def _reject(self, dropped: list[tuple[Job, Rejection]], now: float, deliver: Deliver) -> None:
+        self._settle(job for job, _ in dropped)
         for job, reason in dropped:
             self._count_rejection(job, reason)
             deliver(job.payload[0], rejection_error(reason, job, now))
@@ -371,6 +373,7 @@ class AdaptiveScheduler:
         beside the next dispatch, and their latency is learned apart (``_track_sends``).
         """
         metrics = self.metrics
+        self._settle([*dispatch.expired, *dispatch.jobs])
         for job in dispatch.expired:
             self._count_rejection(job, Rejection.EXPIRED)
             deliver(job.payload[0], rejection_error(Rejection.EXPIRED, job, started))
@@ -434,32 +437,51 @@ class AdaptiveScheduler:
         under overload, measured with ``perf.probe_overload``). A job is first asked once it has
         waited ``SchedulerConfig.asks_if_cancelled``'s share of its budget (a request dispatched
         within milliseconds is all but never cancelled), then again each time its wait doubles.
+
+        Asking about a request that has been answered would touch what the server freed (a
+        first version that asked a snapshot of the queue crashed the server under load), so jobs
+        are asked one at a time, marked ``asking``, and every answer waits for that (``_settle``).
         """
         period = self.config.cancel_check_period_s
-        while not self._stop_watching.is_set():
-            with self._cond:
-                while not len(self.queue) and not self._closing:
-                    self._cond.wait()
-                if self._closing:
-                    return
-                now = self._clock()
-                due = [job for job in self.queue.jobs
-                       if job.is_cancelled is not None and not job.cancelled and job.next_cancel_check_s <= now
-                       and self.config.asks_if_cancelled(now - job.arrival_s, job.deadline_s - job.arrival_s)]
-            found = []
-            for job in due:
-                assert job.is_cancelled is not None
-                job.next_cancel_check_s = now + max(self.config.cancel_check_wait_s, now - job.arrival_s)
-                if job.is_cancelled():
-                    job.cancelled = True  # a dispatch that took it meanwhile drops it
-                    found.append(job)
-            if found:
+        while not self._stop_watching.wait(period):
+            while True:
                 with self._cond:
-                    gone = self.queue.withdraw(found)
-                    self._set_depth()
-                    self._cond.notify_all()  # the plan has room again
-                self._reject([(job, Rejection.CANCELLED) for job in gone], now, self._answer)
-            self._stop_watching.wait(period)
+                    if self._closing:
+                        return
+                    now = self._clock()
+                    job = next((j for j in self.queue.jobs if j.is_cancelled is not None and not j.cancelled
+                                and j.next_cancel_check_s <= now
+                                and self.config.asks_if_cancelled(now - j.arrival_s, j.deadline_s - j.arrival_s)),
+                               None)
+                    if job is None:
+                        break
+                    # One at a time: a dispatch that takes this job waits for its question (_settle).
+                    job.asking = True
+                    job.next_cancel_check_s = now + max(self.config.cancel_check_wait_s, now - job.arrival_s)
+                assert job.is_cancelled is not None
+                try:
+                    cancelled = job.is_cancelled()
+                except Exception as exc:  # the answer is unknown: compute the request
+                    self.logger.error(f"asking whether a request was cancelled failed: {exc!r}")
+                    cancelled = False
+                with self._cond:
+                    job.asking = False
+                    job.cancelled = cancelled
+                    gone = self.queue.withdraw([job]) if cancelled else []
+                    if gone:
+                        self._set_depth()
+                    if gone or self._settling:
+                        self._cond.notify_all()
+                self._reject([(j, Rejection.CANCELLED) for j in gone], now, self._answer)
+
+    def _settle(self, jobs: Iterable[Job]) -> None:
+        """Wait until no question about cancellation is in flight for ``jobs`` (call before answering them)."""
+        pending = [job for job in jobs if job.asking]
+        if pending:
+            with self._cond:
+                self._settling += 1
+                self._cond.wait_for(lambda: not any(job.asking for job in pending))
+                self._settling -= 1
 
     # -- helpers --------------------------------------------------------------------------------------
 
