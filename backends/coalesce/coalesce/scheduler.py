@@ -38,7 +38,7 @@ import collections
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import numpy as np
@@ -94,10 +94,6 @@ class Job:
         payload: The adapter's own data (request, response sender); never read here.
         is_cancelled: Asks whether the client has cancelled it.
         virtual_finish: Fair-queuing tag, set at admission.
-        cancelled: Found cancelled while queued (``coalesce.serving`` asks off the dispatch path).
-        asking: Its client is being asked about cancellation now: it must not be answered until
-            the question returns (the server frees a request once it is answered).
-        next_cancel_check_s: When it may next be asked whether it was cancelled.
     """
 
     seq: int
@@ -111,9 +107,6 @@ class Job:
     payload: Any = None
     is_cancelled: Callable[[], bool] | None = None
     virtual_finish: float = 0.0
-    cancelled: bool = False
-    asking: bool = False
-    next_cancel_check_s: float = 0.0
 
     def order_key(self) -> tuple[int, float, int]:
         """Service order: priority level, then fair-queuing finish tag, then arrival."""
@@ -133,14 +126,12 @@ class SchedulerConfig:
     default_priority: int = 1
     #: Fraction added to predicted run times before comparing them with deadlines.
     safety: float = 0.1
-    #: Queued jobs are asked whether their client cancelled them only once they have waited this share of
+    #: Jobs are asked whether their client cancelled them only once they have waited this share of
     #: their budget or ``cancel_check_wait_s``, whichever is sooner: each question is a round trip to
     #: the server process (~150 us measured on Triton 2.51), and a request dispatched within
     #: milliseconds of its arrival is all but never cancelled.
     cancel_check_share: float = 0.1
     cancel_check_wait_s: float = 0.02
-    #: How often queued jobs are looked over for ones due to be asked.
-    cancel_check_period_s: float = 0.02
     #: Longest predicted run, as a share of the target, that ``execute`` may run inline on an idle
     #: executor (0: never; see ``coalesce.serving.AdaptiveScheduler.submit``).
     inline_share: float = 0.1
@@ -425,18 +416,6 @@ class AdaptiveQueue:
         if not self._gap_per_row_s:
             return 0.0 if self._gap_per_row_s is None else math.inf
         return 1.0 / self._gap_per_row_s
-
-    @property
-    def jobs(self) -> Sequence[Job]:
-        """The queued jobs in service order (the queue's own list: read, never change it)."""
-        return self._jobs
-
-    def withdraw(self, jobs: Iterable[Job]) -> list[Job]:
-        """Take ``jobs`` off the queue; return those that were still in it."""
-        wanted = {id(j) for j in jobs}
-        present = [j for j in self._jobs if id(j) in wanted]
-        self._remove(present)
-        return present
 
     def next_seq(self) -> int:
         """A fresh arrival number."""

@@ -16,7 +16,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Final
 
@@ -187,12 +187,8 @@ class AdaptiveScheduler:
         # threads overlaps those waits, and the scheduler thread goes on to the next dispatch meanwhile.
         self._senders = concurrent.futures.ThreadPoolExecutor(max_workers=ANSWER_THREADS,
                                                               thread_name_prefix="coalesce-answer")
-        self._stop_watching = threading.Event()
-        self._settling = 0  # threads waiting in _settle
         self._thread = threading.Thread(target=self._loop, name="coalesce-scheduler", daemon=True)
         self._thread.start()
-        self._watcher = threading.Thread(target=self._watch_cancellations, name="coalesce-cancel", daemon=True)
-        self._watcher.start()
 
     # -- from execute ---------------------------------------------------------------------------------
 
@@ -355,7 +351,6 @@ class AdaptiveScheduler:
             future.add_done_callback(one_sent)
 
     def _reject(self, dropped: list[tuple[Job, Rejection]], now: float, deliver: Deliver) -> None:
-        self._settle(job for job, _ in dropped)
         for job, reason in dropped:
             self._count_rejection(job, reason)
             deliver(job.payload[0], rejection_error(reason, job, now))
@@ -373,15 +368,21 @@ class AdaptiveScheduler:
         beside the next dispatch, and their latency is learned apart (``_track_sends``).
         """
         metrics = self.metrics
-        self._settle([*dispatch.expired, *dispatch.jobs])
         for job in dispatch.expired:
             self._count_rejection(job, Rejection.EXPIRED)
             deliver(job.payload[0], rejection_error(Rejection.EXPIRED, job, started))
-        # Cancellation was asked while the jobs queued (_watch_cancellations), not here: each question
-        # is a round trip to the server, and here the executor would wait for it.
+        # Asked here rather than on every wake-up, and only of jobs that waited a while: each
+        # question is a round trip to the server. A watcher thread asking queued jobs beside the
+        # dispatch was tried (these round trips took ~7% of the executor's time at 1.5x capacity):
+        # a question about a request answered meanwhile touches what the server freed (it crashed
+        # the server), and once made safe, queries at 2x capacity kept 38 answers/s in time
+        # against ~100/s without it (one evaluation run; likely the extra questions, every queued
+        # job asked again as it waited, delaying the answers on the same channel to the server).
         jobs = []
         for job in dispatch.jobs:
-            if job.cancelled:
+            check = job.is_cancelled
+            if (check is not None and self.config.asks_if_cancelled(started - job.arrival_s,
+                                                                    job.deadline_s - job.arrival_s) and check()):
                 self._count_rejection(job, Rejection.CANCELLED)
                 deliver(job.payload[0], rejection_error(Rejection.CANCELLED, job, started))
             else:
@@ -426,63 +427,6 @@ class AdaptiveScheduler:
         with self._cond:
             self.cost.observe(rows, length, seconds)
 
-    # -- the cancellation watcher --------------------------------------------------------------------
-
-    def _watch_cancellations(self) -> None:
-        """Ask queued jobs whether their client cancelled them, and answer the cancelled ones; own thread.
-
-        Each question is a round trip to the server process (~150 us idle, milliseconds on a busy
-        machine), so it is asked here, beside the running dispatch, rather than by the scheduler
-        thread just before a dispatch (where the executor waited for every answer: 7% of its time
-        under overload, measured with ``perf.probe_overload``). A job is first asked once it has
-        waited ``SchedulerConfig.asks_if_cancelled``'s share of its budget (a request dispatched
-        within milliseconds is all but never cancelled), then again each time its wait doubles.
-
-        Asking about a request that has been answered would touch what the server freed (a
-        first version that asked a snapshot of the queue crashed the server under load), so jobs
-        are asked one at a time, marked ``asking``, and every answer waits for that (``_settle``).
-        """
-        period = self.config.cancel_check_period_s
-        while not self._stop_watching.wait(period):
-            while True:
-                with self._cond:
-                    if self._closing:
-                        return
-                    now = self._clock()
-                    job = next((j for j in self.queue.jobs if j.is_cancelled is not None and not j.cancelled
-                                and j.next_cancel_check_s <= now
-                                and self.config.asks_if_cancelled(now - j.arrival_s, j.deadline_s - j.arrival_s)),
-                               None)
-                    if job is None:
-                        break
-                    # One at a time: a dispatch that takes this job waits for its question (_settle).
-                    job.asking = True
-                    job.next_cancel_check_s = now + max(self.config.cancel_check_wait_s, now - job.arrival_s)
-                assert job.is_cancelled is not None
-                try:
-                    cancelled = job.is_cancelled()
-                except Exception as exc:  # the answer is unknown: compute the request
-                    self.logger.error(f"asking whether a request was cancelled failed: {exc!r}")
-                    cancelled = False
-                with self._cond:
-                    job.asking = False
-                    job.cancelled = cancelled
-                    gone = self.queue.withdraw([job]) if cancelled else []
-                    if gone:
-                        self._set_depth()
-                    if gone or self._settling:
-                        self._cond.notify_all()
-                self._reject([(j, Rejection.CANCELLED) for j in gone], now, self._answer)
-
-    def _settle(self, jobs: Iterable[Job]) -> None:
-        """Wait until no question about cancellation is in flight for ``jobs`` (call before answering them)."""
-        pending = [job for job in jobs if job.asking]
-        if pending:
-            with self._cond:
-                self._settling += 1
-                self._cond.wait_for(lambda: not any(job.asking for job in pending))
-                self._settling -= 1
-
     # -- helpers --------------------------------------------------------------------------------------
 
     def _answer(self, sub: Submission, result: RequestResult) -> Future[None] | None:
@@ -521,7 +465,5 @@ class AdaptiveScheduler:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
-        self._stop_watching.set()
-        self._watcher.join(timeout_s)
         self._senders.shutdown(wait=True)
 
