@@ -15,7 +15,7 @@ Measured per profile:
    (the pipeline in process, no server), each ratio within one of ``--c1-rounds``
    interleaved rounds, the median over rounds reported.
 2. Capacity: the static system's closed-loop throughput at concurrency 32.
-3. Locust, open loop (arrivals do not wait for answers; a pool of users bounds what is in
+3. Locust (HTTP; ``--protocol grpc``), open loop (arrivals do not wait for answers; a pool of users bounds what is in
    flight): steady and Poisson arrivals at fractions and multiples of that capacity,
    bursts (4x for 2 s every 10 s) and a ramp to 2x. Goodput counts answers within the
    target per second of schedule; refusals count as not good, like late answers.
@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="steady,poisson,burst,ramp")
     parser.add_argument("--duration-s", type=float, default=20.0, help="length of each Locust run")
     parser.add_argument("--pool", type=int, default=256, help="Locust users: the most requests in flight")
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="http",
+                        help="Locust's protocol. HTTP by default: at 2x capacity on 2 cores the gRPC client "
+                             "(grpcio under gevent) took ~50%% of a core against ~30%% for HTTP, and its own lag "
+                             "tripled the ok p99 it reported (700 against 225 ms, perf.probe_overload --protocol)")
     parser.add_argument("--static", default="auto",
                         help="'auto' runs coalesce tune per profile; else tune reports (JSON) per profile "
                              "('queries=path,...'), whose results are selected again for the profile's target")
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--target-ms", str(targets[profile]), "--allow-rejections", "--texts", str(args.count)]
         if tenants:
             extra += ["--tenants", tenants]
-        result = run_locust(shape=shape, protocol="grpc", rate_per_s=rate, duration_s=args.duration_s,
+        result = run_locust(shape=shape, protocol=args.protocol, rate_per_s=rate, duration_s=args.duration_s,
                             pool=args.pool, profile=profile, grpc_url=server.grpc_url, http_url=server.http_url,
                             prefix=prefix, model=models(profile)[system], extra=extra,
                             html=False)  # with thousands of distinct refusal messages, each HTML is megabytes
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     run = {"run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": f"{os.cpu_count()} cores, no GPU, ONNX Runtime CPU; Locust and server on the same machine",
            "command": "make eval-adaptive  # python -m perf.adaptive " + " ".join(argv or sys.argv[1:]),
-           "targets_ms": targets, "duration_s": args.duration_s, "pool": args.pool,
+           "targets_ms": targets, "duration_s": args.duration_s, "pool": args.pool, "protocol": args.protocol,
            "statics": {p: {k: v for k, v in s.items() if k != "point"} for p, s in statics.items()},
            "profiles": summary, "runs": runs}
     run["verdicts"] = verdicts(run)
@@ -421,7 +425,7 @@ def markdown(run: dict[str, Any]) -> str:
     lines = [f"# Adaptive scheduling vs the best static config: {run['run']}", "",
              f"- date: {run['date']}", f"- machine: {run['machine']}", f"- command: `{run['command']}`",
              f"- targets: p99 {run['targets_ms']} ms; Locust runs of {run['duration_s']:g} s, open loop "
-             f"(pool of {run['pool']} users), gRPC, one text per request", ""]
+             f"(pool of {run['pool']} users), {run.get('protocol', 'grpc')}, one text per request", ""]
     lines += ["## Static configs (`coalesce tune --p99-ms` in this run)", ""]
     lines += [f"- {p} (p99 {s['target_ms']:g} ms): `{s['label']}` ({s['tune_report']})"
               for p, s in run["statics"].items()]

@@ -1,7 +1,7 @@
 """Diagnose one adaptive load point: Locust's view beside the backend's own metrics and CPU per process.
 
 One tritonserver with the shipped minilm under ``scheduling: adaptive`` (Triton's queue
-policy at ``--triton-queue-share`` of the target), one steady Locust run over gRPC, then:
+policy at ``--triton-queue-share`` of the target), one steady Locust run (gRPC, or ``--protocol http``), then:
 `top` (CPU per process, sampled mid-run), the backend's rejections by reason, dispatch
 count and time, the cost model's scale and tail ratio, and the backend's arrival-to-answer
 latency buckets, so a client-side p99 can be split into backend time and the rest.
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-queue-share", type=float, default=0.25)
     parser.add_argument("--profile", default="queries")
     parser.add_argument("--tenants", default="", help="tenant shares, as the eval's tenant run: 'noisy:10,quiet-a:1'")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="Locust's client protocol")
     parser.add_argument("--param", action="append", default=[], help="extra model parameter key=value")
     args = parser.parse_args(argv)
     config = adaptive.adaptive_config(args.target_ms, name="probe", triton_queue_timeout_share=args.triton_queue_share)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     with TritonServer(options) as server:
         top = subprocess.Popen(f"sleep {args.duration_s / 3:.0f}; top -b -n 2 -d 5 -w 200 -o %CPU "
                                "| grep -A6 '^ *PID' | tail -6", shell=True, stdout=subprocess.PIPE, text=True)
-        result = run_locust(shape="steady", protocol="grpc", rate_per_s=args.rate, duration_s=args.duration_s,
+        result = run_locust(shape="steady", protocol=args.protocol, rate_per_s=args.rate, duration_s=args.duration_s,
                             pool=256, profile=args.profile, grpc_url=server.grpc_url, http_url=server.http_url,
                             prefix=workdir / "locust", model="probe", html=False,
                             extra=["--target-ms", str(args.target_ms), "--allow-rejections",
