@@ -67,9 +67,10 @@ def translate_error(exc: BaseException, *, model: str, url: str, timeout_s: floa
             return InvalidInputError(f"{where}: {message}")
         if "NOT_FOUND" in status or status == "404" or "unknown model" in message:
             return ModelNotFoundError(f"{where}: {message}")
-        if REFUSED_MARKER in message or ("UNAVAILABLE" in status and TRITON_QUEUE_TIMEOUT in message):
+        unavailable = "UNAVAILABLE" in status or status == "503"  # gRPC status, HTTP status code
+        if REFUSED_MARKER in message or (unavailable and TRITON_QUEUE_TIMEOUT in message):
             return RequestRejectedError(f"{where}: {message}")
-        if "UNAVAILABLE" in status or status in ("502", "503") or "failed to connect" in message.lower():
+        if unavailable or status == "502" or "failed to connect" in message.lower():
             return ServerUnavailableError(f"{where}: {message}")
         return ServerError(f"{where}: {message} (status {status or 'unknown'})")
     if isinstance(exc, TimeoutError | socket.timeout | asyncio.TimeoutError) or type(exc).__name__ == "Timeout":

@@ -8,6 +8,7 @@ from coalesce.launcher import LaunchError, TritonServer, assemble_backend_dir, f
 from coalesce_client import (
     InvalidInputError,
     ModelNotFoundError,
+    RequestRejectedError,
     RequestTimeoutError,
     ServerError,
     ServerUnavailableError,
@@ -75,6 +76,12 @@ def test_encode_texts():
     ("StatusCode.UNAVAILABLE", "failed to connect to all addresses", ServerUnavailableError),
     ("StatusCode.DEADLINE_EXCEEDED", "Deadline Exceeded", RequestTimeoutError),
     ("StatusCode.INTERNAL", "boom", ServerError),
+    # Refusals under load: the adaptive scheduler's, and Triton's queue policy's, over both protocols.
+    ("StatusCode.UNAVAILABLE", "request refused: the queue is full", RequestRejectedError),
+    ("503", "request refused: the queue is full", RequestRejectedError),
+    ("StatusCode.UNAVAILABLE", "Request timeout expired", RequestRejectedError),
+    ("503", "Request timeout expired", RequestRejectedError),
+    ("503", "model is unloading", ServerUnavailableError),
 ])
 def test_error_translation(status, message, kind):
     error = translate_error(InferenceServerException(msg=message, status=status), model="m", url="u", timeout_s=1)
