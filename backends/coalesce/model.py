@@ -9,6 +9,7 @@ Nothing else lives here: the core (package ``coalesce``) never imports
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -138,6 +139,10 @@ class TritonPythonModel:
         self._pipeline = None  # type: ignore[assignment]
         self._metric_factory.close()  # the last values reach Triton before the model goes
         self._metric_factory = None  # type: ignore[assignment]
+        # Free what only the cycle collector can, while the stub can still destroy pb_utils
+        # objects: its next pass may come at interpreter exit, after shared memory is gone,
+        # and destroying a Triton request there crashes the stub (see ``errors.as_result``).
+        gc.collect()
 
 
 def _bls_call(model: str, version: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,34 @@ def server(repository, request):
     yield triton
     code = triton.stop()
     assert code in (0, -2), f"tritonserver stopped with code {code}:\n{triton.log_tail()}"
+
+
+def _stub_crashes() -> list[str] | None:
+    """The kernel's segfault reports for Python backend stubs, or None where the kernel log is closed to us."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if log.returncode != 0:
+        return None
+    return [line for line in log.stdout.splitlines() if "triton_python_b" in line and "segfault" in line]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_stub_crashes():
+    """Fail the session if a model's stub process crashed, even where Triton and every test carried on.
+
+    A stub that crashes at shutdown leaves no trace in the server's log nor its exit code;
+    only the kernel sees it. Skipped silently where ``dmesg`` is not readable.
+    """
+    before = _stub_crashes()
+    yield
+    if before is None:
+        return
+    time.sleep(1)  # a stub still exiting after its server
+    after = _stub_crashes() or []
+    new = after[len(before):] if after[:len(before)] == before else [line for line in after if line not in before]
+    assert not new, "Python backend stub process(es) crashed during the tests:\n" + "\n".join(new)
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -106,6 +109,38 @@ def test_runtime_failure_fails_only_requests_in_that_pass(tokenizer):
     assert isinstance(results[0], np.ndarray) and isinstance(results[2], np.ndarray)
     assert isinstance(results[1], CoalesceError) and results[1].code == "INTERNAL"
     assert "injected failure" in str(results[1])
+
+
+class _TritonRequest:
+    """What ``execute``'s frame holds while the pipeline runs: Triton's requests."""
+
+
+def _answer(pipeline, rows):
+    requests = [_TritonRequest()]
+    results = pipeline.embed([rows])
+    return results, weakref.ref(requests[0])
+
+
+@pytest.mark.parametrize(("runtime", "rows"), [
+    (TableRuntime(), [b"ok", b"\xff"]),
+    (TableRuntime(fail_when_padded_to=256), enc(["word " * 300])),
+], ids=["bad_input", "runtime_failure"])
+def test_error_results_keep_no_frames_alive(tokenizer, runtime, rows):
+    """An error answer must not carry the frames it was raised in.
+
+    Through them it would keep its caller's frame, and so the Triton requests, alive in a
+    reference cycle until a collector pass; in the Python backend that pass can come after
+    the stub unmapped shared memory at shutdown, where it crashed the stub.
+    """
+    pipeline, _ = make(tokenizer, runtime)
+    gc.disable()  # only reference counting: what the cycle collector would rescue is a leak here
+    try:
+        results, request = _answer(pipeline, rows)
+        assert isinstance(results[0], CoalesceError)
+        assert results[0].__traceback__ is None and results[0].__context__ is None
+        assert request() is None, "the error answer keeps the caller's requests alive"
+    finally:
+        gc.enable()
 
 
 def test_padding_metrics(tokenizer):

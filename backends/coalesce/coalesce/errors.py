@@ -7,7 +7,9 @@ The core raises these; the Triton adapter (``model.py``) maps ``code`` to a
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
 
 
 class CoalesceError(Exception):
@@ -44,3 +46,20 @@ class RuntimeFailure(CoalesceError):
     """The inference runtime failed on a sub-batch (Triton ``INTERNAL``)."""
 
     code: ClassVar[str] = "INTERNAL"
+
+
+def as_result(error: _E) -> _E:
+    """``error`` made fit to be returned as a request's answer rather than raised.
+
+    Drops its traceback and the exception it was raised while handling. A caught
+    exception's traceback holds the frames it passed through, and each frame its caller:
+    kept in a result, it forms a reference cycle up to ``execute``, whose frame holds the
+    ``pb_utils`` requests. Only Python's cycle collector frees that, and in the Python
+    backend its next pass may come after the stub has unmapped shared memory at shutdown,
+    where destroying those requests crashes the stub (one segfault per stub that ever
+    answered a bad request, seen with Triton 2.51).
+    """
+    error.__traceback__ = None
+    error.__context__ = None
+    error.__cause__ = None
+    return error

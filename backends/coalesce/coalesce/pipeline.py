@@ -17,7 +17,7 @@ import numpy as np
 from coalesce.cache import RowCache, file_digest, output_fingerprint, row_key
 from coalesce.coalescer import PlanLimits, SubBatch, plan_sub_batches, plan_sub_batches_dp
 from coalesce.costmodel import CostModel, calibrate
-from coalesce.errors import CoalesceError, ConfigError, InvalidInputError
+from coalesce.errors import CoalesceError, ConfigError, InvalidInputError, as_result
 from coalesce.log import Logger
 from coalesce.metrics import InMemoryMetricFactory, MetricFactory, PipelineMetrics
 from coalesce.pooling import pool
@@ -215,8 +215,9 @@ class EmbeddingPipeline:
             except CoalesceError as exc:
                 # Only the requests with rows in this pass fail; the other passes go on.
                 self.logger.error(f"forward pass of {len(plan.rows)} rows failed: {exc}")
+                failure = as_result(exc)
                 for row in plan.rows:
-                    failures[int(todo[row])] = exc
+                    failures[int(todo[row])] = failure
                 infer_s += time.perf_counter() - ta
                 continue
             tb = time.perf_counter()
@@ -285,7 +286,7 @@ class EmbeddingPipeline:
         try:
             return self._decode(request)
         except InvalidInputError as exc:
-            return exc
+            return as_result(exc)
 
     def token_lengths(self, texts: Sequence[str]) -> np.ndarray:
         """Token length of each text after truncation (what a pass over it costs)."""
