@@ -1,6 +1,8 @@
 # Two commands for a newcomer: `make serve` and `make test`. Both set everything up first.
 VENV   := .venv
 BIN    := $(VENV)/bin
+# The repository `make serve` serves (and `make setup` prepares): your own with MODEL_REPOSITORY=<dir>.
+MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
 BENCH_ARGS ?=
@@ -12,11 +14,11 @@ TUNE_PROFILE ?= queries
 
 .PHONY: setup serve test unit integration lint lock clean bench bench-shared eval-adaptive load tune
 
-setup:                 ## venv, pinned packages, OS packages, model export, Triton runtime (idempotent)
-	@bash scripts/setup.sh
+setup:                 ## venv, pinned packages, OS packages, the repository's models, Triton runtime (idempotent)
+	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
 
-serve: setup           ## start Triton on model_repository/ (HTTP_PORT, GRPC_PORT, METRICS_PORT, MODEL_CONTROL, RESPONSE_CACHE_BYTES)
-	$(BIN)/coalesce serve --model-repository model_repository
+serve: setup           ## start Triton on $(MODEL_REPOSITORY) (HTTP_PORT, GRPC_PORT, METRICS_PORT, MODEL_CONTROL, RESPONSE_CACHE_BYTES, RATE_LIMIT)
+	$(BIN)/coalesce serve --model-repository "$(MODEL_REPOSITORY)"
 
 test: setup            ## lint, then unit and integration tests (a real tritonserver)
 	$(MAKE) --no-print-directory lint
@@ -63,4 +65,5 @@ lock:                  ## re-pin requirements/constraints.txt from a fresh venv
 
 clean:
 	rm -rf $(VENV) model_repository/*/[0-9]*/model.onnx model_repository/*/[0-9]*/tokenizer.json \
-	  model_repository/*/[0-9]*/export.json model_repository/*/[0-9]*/hf model_repository/*/[0-9]*/model.plan*
+	  model_repository/*/[0-9]*/export.json model_repository/*/[0-9]*/hf model_repository/*/[0-9]*/model.plan* \
+	  model_repository/*/[0-9]*/*.tmp

@@ -42,9 +42,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from coalesce import perfanalyzer, tune
-from coalesce.launcher import ServerOptions, TritonServer, free_port
-from coalesce.pipeline import EmbeddingPipeline
+from coalesce.batching.pipeline import Pipeline
+from coalesce_tools import perfanalyzer, tune
+from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from perf import limits, repository, workloads
 from perf.load import run_locust
 
@@ -129,7 +129,7 @@ def run_tune(profile: str, input_data: Path, target_ms: float, workdir: Path) ->
         RuntimeError: If the session chose nothing.
     """
     out = workdir / f"tune-{profile}"
-    command = [sys.executable, "-m", "coalesce.tune", "--p99-ms", str(target_ms), "--input-data", str(input_data),
+    command = [sys.executable, "-m", "coalesce_tools.tune", "--p99-ms", str(target_ms), "--input-data", str(input_data),
                "--model-repository", str(ROOT / "model_repository"), "--out", str(out), "--budget-s", "600"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     reports = sorted(out.glob("*.json"))
@@ -152,12 +152,12 @@ def chosen_point(report_path: Path, target_ms: float, profile: str) -> tune.Tune
     return tune.TunePoint.from_dict(chosen["point"])
 
 
-def bare_compute_ms(pipeline: EmbeddingPipeline, texts: list[str], count: int = 100) -> float:
+def bare_compute_ms(pipeline: Pipeline, texts: list[str], count: int = 100) -> float:
     """Median in-process time (ms) to embed one text alone: the floor for latency at concurrency 1."""
     times = []
     for text in texts[:count]:
         start = time.perf_counter()
-        pipeline.embed([[text.encode("utf-8")]])
+        limits.embed_each(pipeline, [text])
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
 
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                for p in profiles}
     if args.triton_queue_share > 0:
         # The adaptive config without Triton's queue policy runs short dispatches inline in execute
-        # (coalesce.serving.scheduler_config); measured at concurrency 1 only, beside the others.
+        # (coalesce.scheduling.driver.scheduler_config); measured at concurrency 1 only, beside the others.
         configs.update({inline_model(p): adaptive_config(targets[p], name=inline_model(p)) for p in profiles})
     configs.update({static_model(p): static_config(p, statics[p]["point"]) for p in profiles})
     configs[FLOOR_MODEL] = tune.apply_to_pbtxt(

@@ -22,8 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from coalesce import perfanalyzer
-from coalesce.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools import perfanalyzer
+from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from perf import limits, report, repository, workloads
 from perf.baselines.pytriton.server import MODEL_NAME as PYTRITON_MODEL
 from perf.baselines.pytriton.server import BaselineServer

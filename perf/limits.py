@@ -15,47 +15,55 @@ from pathlib import Path
 
 import numpy as np
 
-from coalesce.pipeline import EmbeddingPipeline
-from coalesce.pooling import pool
-from coalesce.settings import Settings
-from coalesce.tokenizer import EncodedRows
+from coalesce.batching.pipeline import Pipeline
+from coalesce.core.task import Prepared
+from coalesce.loader import load_pipeline
+from coalesce_tools.config import read_model_config, with_parameters
 
 FIXED_BATCH_SIZES = (8, 16, 32, 64)
 
 
-def make_pipeline(version_dir: Path, **parameters: str) -> EmbeddingPipeline:
-    """A pipeline as the served model has it (DP planner, calibrated cost model)."""
-    settings = Settings.from_parameters(dict(parameters), model_name="limit", max_batch_size=64, embedding_dim=384)
-    return EmbeddingPipeline.from_version_dir(settings, version_dir)
+def make_pipeline(version_dir: Path, **parameters: str) -> Pipeline:
+    """A pipeline as the served model has it (its config, DP planner, calibrated cost model), ``parameters`` set."""
+    config = with_parameters(read_model_config(version_dir.parent / "config.pbtxt"), **parameters)
+    return load_pipeline(config, version_dir)
 
 
-def limit_at(pipeline: EmbeddingPipeline, texts: Sequence[str], window: int) -> float:
+def text_requests(texts: Sequence[str]) -> list[dict[str, np.ndarray]]:
+    """One ``TEXT`` request per text, as the adapter hands requests over."""
+    return [{"TEXT": np.array([[t.encode("utf-8")]], dtype=object)} for t in texts]
+
+
+def embed_each(pipeline: Pipeline, texts: Sequence[str]) -> None:
+    """Run the pipeline once over one request per text (read, coalesced and computed together)."""
+    pipeline.run([pipeline.read(request) for request in text_requests(texts)])
+
+
+def limit_at(pipeline: Pipeline, texts: Sequence[str], window: int) -> float:
     """Texts per second when only windows of ``window`` consecutive texts may be reordered and cut."""
-    rows = [t.encode("utf-8") for t in texts]
+    requests = text_requests(texts)
     start = time.perf_counter()
-    for i in range(0, len(rows), window):
-        pipeline.embed([[r] for r in rows[i:i + window]])
-    return len(rows) / (time.perf_counter() - start)
+    for i in range(0, len(requests), window):
+        pipeline.run([pipeline.read(r) for r in requests[i:i + window]])
+    return len(requests) / (time.perf_counter() - start)
 
 
-def run_passes(pipeline: EmbeddingPipeline, encoded: EncodedRows, groups: Iterable[np.ndarray]) -> None:
-    """Run one forward pass per group of rows of ``encoded``, padded to the group's longest, and pool it."""
+def run_passes(pipeline: Pipeline, prepared: Prepared, groups: Iterable[np.ndarray]) -> None:
+    """Run one forward pass per group of rows of ``prepared``, padded to the group's longest, with the task's split."""
     for rows in groups:
-        ids, mask, types = encoded.padded(rows, int(encoded.lengths[rows].max()))
-        pool(pipeline.runtime.run(ids, mask, types), mask, mode=pipeline.settings.pooling,
-             normalize=pipeline.settings.normalize)
+        pipeline.run_pass(prepared, rows, int(prepared.lengths[rows].max()))
 
 
-def sorted_fixed(pipeline: EmbeddingPipeline, texts: Sequence[str], batch: int) -> float:
+def sorted_fixed(pipeline: Pipeline, texts: Sequence[str], batch: int) -> float:
     """Texts per second: tokenise all, sort by length, run fixed cuts of ``batch`` rows."""
     start = time.perf_counter()
-    encoded = pipeline.tokenizer.encode(list(texts))
-    order = np.argsort(encoded.lengths, kind="stable")
-    run_passes(pipeline, encoded, (order[i:i + batch] for i in range(0, len(order), batch)))
+    prepared = pipeline.task.prepare(list(texts))
+    order = np.argsort(prepared.lengths, kind="stable")
+    run_passes(pipeline, prepared, (order[i:i + batch] for i in range(0, len(order), batch)))
     return len(texts) / (time.perf_counter() - start)
 
 
-def limit(pipeline: EmbeddingPipeline, texts: Sequence[str]) -> tuple[float, str]:
+def limit(pipeline: Pipeline, texts: Sequence[str]) -> tuple[float, str]:
     """The ceiling and how it was reached."""
     options = {f"sorted, fixed {b}": sorted_fixed(pipeline, texts, b) for b in FIXED_BATCH_SIZES}
     options["sorted, DP cuts"] = limit_at(pipeline, texts, len(texts))

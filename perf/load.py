@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from coalesce.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from perf.loadshapes import SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent

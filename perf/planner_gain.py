@@ -5,7 +5,7 @@ run three ways back to back, and the times are summed per way, so the machine's 
 (±20% from second to second here) hits all three alike:
 
 - ``planner``: the backend's own plan (DP cuts over the calibrated cost model), as
-  ``EmbeddingPipeline.embed`` runs it;
+  ``Pipeline.run`` runs it;
 - ``one_at_a_time``: one pass per text, no padding: what the ``naive`` baseline does
   with one-text requests;
 - ``pad_to_longest``: one pass over the window padded to its longest text, in arrival
@@ -30,24 +30,24 @@ from typing import Any
 
 import numpy as np
 
-from coalesce.pipeline import EmbeddingPipeline
+from coalesce.batching.pipeline import Pipeline
 from perf import limits, workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("planner", "one_at_a_time", "pad_to_longest")
 
 
-def compare(pipeline: EmbeddingPipeline, texts: Sequence[str], window: int) -> dict[str, float]:
+def compare(pipeline: Pipeline, texts: Sequence[str], window: int) -> dict[str, float]:
     """Texts per second of each way over ``texts`` cut into windows of ``window``, interleaved per window."""
     spent = dict.fromkeys(WAYS, 0.0)
     for start in range(0, len(texts), window):
         chunk = list(texts[start:start + window])
         t0 = time.perf_counter()
-        pipeline.embed([[t.encode("utf-8")] for t in chunk])
+        limits.embed_each(pipeline, chunk)
         t1 = time.perf_counter()
-        limits.run_passes(pipeline, pipeline.tokenizer.encode(chunk), [np.array([i]) for i in range(len(chunk))])
+        limits.run_passes(pipeline, pipeline.task.prepare(chunk), [np.array([i]) for i in range(len(chunk))])
         t2 = time.perf_counter()
-        limits.run_passes(pipeline, pipeline.tokenizer.encode(chunk), [np.arange(len(chunk))])
+        limits.run_passes(pipeline, pipeline.task.prepare(chunk), [np.arange(len(chunk))])
         t3 = time.perf_counter()
         spent["planner"] += t1 - t0
         spent["one_at_a_time"] += t2 - t1

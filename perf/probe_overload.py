@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from coalesce.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from perf import adaptive
 from perf.load import run_locust
 

@@ -30,8 +30,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from coalesce import perfanalyzer
-from coalesce.launcher import RedisServer, ServerOptions, TritonServer, free_port
+from coalesce_tools import perfanalyzer
+from coalesce_tools.launcher import RedisServer, ServerOptions, TritonServer, free_port
 from perf import report, repository, workloads
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,21 +22,27 @@ TEXTS = ["Coalesce turns dynamic batches into few forward passes.", "short", "æ—
 
 
 def embed_with(runtime: Any) -> tuple[np.ndarray, float]:
-    """Embed TEXTS through a pipeline over ``runtime``; (vectors, seconds of the second, warm run)."""
-    from coalesce.metrics import InMemoryMetricFactory, PipelineMetrics
-    from coalesce.pipeline import EmbeddingPipeline
-    from coalesce.settings import Settings
-    from coalesce.tokenizer import TextTokenizer
+    """Embed TEXTS through the minilm task's pipeline over ``runtime``; (vectors, seconds of the second, warm run)."""
+    from coalesce.batching.costmodel import CostModel
+    from coalesce.batching.pipeline import Pipeline
+    from coalesce.observability.metrics import InMemoryMetricFactory, PipelineMetrics
+    from coalesce.settings import ModelSettings
+    from coalesce.tasks import create_task
+    from coalesce_tools.config import read_model_config
 
-    settings = Settings.from_parameters({"cost_model": "0.002,0.0001,0"}, model_name="gpu-check", max_batch_size=64,
-                                        embedding_dim=384)
-    pipeline = EmbeddingPipeline(settings, runtime, TextTokenizer(VERSION_DIR / "tokenizer.json", 256),
-                                 PipelineMetrics(InMemoryMetricFactory(), model="gpu-check", version="1"))
-    rows = [t.encode() for t in TEXTS]
-    pipeline.embed([rows])
+    config = read_model_config(VERSION_DIR.parent / "config.pbtxt")
+    settings = ModelSettings.from_model_config(config)
+    task = create_task(settings, config, VERSION_DIR)
+    task.bind(runtime.graph)
+    pipeline = Pipeline(task, runtime, settings.planner,
+                        PipelineMetrics(InMemoryMetricFactory(), model="gpu-check", version="1"),
+                        cost_model=CostModel(0.002, 0.0001, 0.0), model_name="gpu-check")
+    request = pipeline.read({"TEXT": np.array([[t.encode()] for t in TEXTS], dtype=object)})
+    pipeline.run([request])
     start = time.perf_counter()
-    (vectors,) = pipeline.embed([rows])
-    return vectors, time.perf_counter() - start
+    (result,) = pipeline.run([request])
+    assert not isinstance(result, Exception), result
+    return result["EMBEDDING"], time.perf_counter() - start
 
 
 def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
@@ -46,7 +52,7 @@ def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
 
 def main() -> int:
     """Run every part that can run; write the report; exit 1 when a part that ran failed its check."""
-    from coalesce.runtime.onnx import OnnxRuntime
+    from coalesce.runtimes.onnx import OnnxRuntime
 
     results: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                                "parts": {}}
@@ -61,7 +67,7 @@ def main() -> int:
     if not gpu:
         parts["torch-cuda"] = {"ran": False, "why": "torch.cuda.is_available() is False"}
     else:
-        from coalesce.runtime.torch_runtime import TorchRuntime, buckets_from
+        from coalesce.runtimes.torch_runtime import TorchRuntime, buckets_from
 
         for label, kwargs in (("torch-cuda-fp32", {}), ("torch-cuda-fp16", {"precision": "fp16"}),
                               ("torch-cuda-fp16-graphs", {"precision": "fp16", "cuda_graph_buckets":
@@ -90,8 +96,8 @@ def main() -> int:
     if importlib.util.find_spec("tensorrt") is None or not gpu:
         parts["tensorrt"] = {"ran": False, "why": "the 'tensorrt' module is not installed" if gpu else "no GPU"}
     else:
-        from coalesce.engine import build, profiles_for
-        from coalesce.runtime.tensorrt import TensorRTRuntime
+        from coalesce.runtimes.tensorrt import TensorRTRuntime
+        from coalesce_tools.engine import build, profiles_for
 
         plan = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu-check.plan"
         profiles = profiles_for(ROOT / "model_repository" / "minilm")
@@ -118,8 +124,8 @@ def main() -> int:
 def triton_part(reference: np.ndarray) -> dict[str, Any]:
     """Serve the KIND_GPU and CPU configs in one tritonserver; compare embeddings; perf_analyzer both."""
     try:
-        from coalesce.launcher import LaunchError, ServerOptions, TritonServer, find_triton, free_port
         from coalesce_client import EmbeddingClient
+        from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer, find_triton, free_port
 
         find_triton()
     except Exception as exc:
@@ -145,7 +151,7 @@ def triton_part(reference: np.ndarray) -> dict[str, Any]:
             out["ok"] = out["cosine_min"] >= 0.999
             out["runtime_log"] = [line for line in server.log_text().splitlines() if "runtime '" in line][-2:]
             try:
-                from coalesce import perfanalyzer
+                from coalesce_tools import perfanalyzer
                 from perf import workloads
 
                 data = repo / "queries.json"

@@ -13,5 +13,5 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-export PYTHONPATH="backends/coalesce:client:.${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="backends/coalesce:backends:client:.${PYTHONPATH:+:$PYTHONPATH}"
 exec timeout 470 "$PY" scripts/gpu_check.py "$@"

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Idempotent set-up for `make serve` and `make test`: OS packages, .venv with pinned
-# packages, the ONNX export of the packaged MiniLM, and a check of the Triton runtime.
-# Each step is skipped when already done, so a second run takes seconds.
+# packages, the models of the repository (MODEL_REPOSITORY, default model_repository/: the
+# example models are built by their recipes, a user's own are checked), and a check of the
+# Triton runtime. Each step is skipped when already done, so a second run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
+MODEL_REPOSITORY=${MODEL_REPOSITORY:-model_repository}
 VENV=.venv
 STAMP=$VENV/.coalesce-setup-stamp
 say() { printf 'setup: %s\n' "$*" >&2; }
@@ -25,13 +27,13 @@ ensure_apt() {  # ensure_apt PACKAGE...: install the Debian packages that are mi
 BENCH=0
 for arg in "$@"; do
   case "$arg" in
-    --bench) BENCH=1 ;;  # also what perf_analyzer needs: Debian's libb64-0d
+    --bench) BENCH=1 ;;  # the benchmarks' own set-up (kept for their make targets)
     *) say "unknown option $arg"; exit 2 ;;
   esac
 done
-[ $BENCH -eq 1 ] && ensure_apt libb64-0d
 # The shared row-cache tier: the tests and `coalesce serve` start their own redis-server.
-ensure_apt redis-server
+# perf_analyzer (coalesce tune, its integration test, the benchmarks) links Debian's libb64-0d.
+ensure_apt redis-server libb64-0d
 
 # 1. Python with venv and a shared libpython (the Triton Python-backend stub links it).
 pyver=$($PYTHON -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
@@ -52,28 +54,20 @@ if [ "$(cat $STAMP 2>/dev/null)" != "$want" ]; then
            -e ".[dev,serve]"; } >"$log" 2>&1; then
     tail -40 "$log" >&2; say "pip install failed; full log in $log"; exit 1
   fi
-  $VENV/bin/python -c 'import coalesce, coalesce_client, onnxruntime, tokenizers, tritonclient.grpc, pytriton' \
+  $VENV/bin/python -c 'import coalesce, coalesce_tools, coalesce_client, onnxruntime, tokenizers, tritonclient.grpc, pytriton' \
     || { say "package install failed"; exit 1; }
   echo "$want" > $STAMP
 else
   say "packages up to date"
 fi
 
-# 3. The model: ONNX export of the packaged weights (skipped when the export is current).
-for dir in model_repository/*/; do
-  [ -f "$dir/config.pbtxt" ] || continue
-  grep -q 'backend: *"coalesce"' "$dir/config.pbtxt" || continue
-  versions=("$dir"[0-9]*/)
-  [ -d "${versions[0]}" ] || versions=("${dir}1/")  # a fresh clone has no version folder yet
-  for version in "${versions[@]}"; do
-    HF_HUB_OFFLINE=1 $VENV/bin/python -m coalesce.export --out "${version%/}"
-  done
-done
+# 3. The models: example models built by their recipes (skipped while current), a user's own checked.
+HF_HUB_OFFLINE=1 $VENV/bin/coalesce prepare --model-repository "$MODEL_REPOSITORY"
 
 # 4. The Triton runtime: the server binary and a stub for this Python must be there.
 $VENV/bin/python - <<'PY'
 import subprocess, sys
-from coalesce.launcher import TritonServer, ServerOptions, find_triton
+from coalesce_tools.launcher import TritonServer, ServerOptions, find_triton
 from pathlib import Path
 install = find_triton()
 env = TritonServer(ServerOptions(model_repository=Path("model_repository")), install=install).environment()

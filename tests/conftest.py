@@ -1,21 +1,38 @@
-"""Shared test fixtures: paths of the built model."""
+"""Shared test fixtures: the example models `make setup` builds, their configs, reference models."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "model_repository" / "minilm"
+REPOSITORY = ROOT / "model_repository"
+MODEL_DIR = REPOSITORY / "minilm"
 VERSION_DIR = MODEL_DIR / "1"
+#: The example models of the repository, one per task (built by their recipes at set-up).
+EXAMPLE_MODELS = ("minilm", "minilm_rerank", "minilm_tokens", "digits")
+
+
+def built(name: str) -> Path:
+    """Version folder 1 of example model ``name``; fails the test when `make setup` has not built it."""
+    version = REPOSITORY / name / "1"
+    if not (version / "model.onnx").is_file():
+        pytest.fail(f"{version / 'model.onnx'} is missing: run `make setup` (make test does it)")
+    return version
+
+
+def model_config(name: str, **parameters: str) -> dict[str, Any]:
+    """Example model ``name``'s config.pbtxt in the JSON form Triton hands the backend, ``parameters`` set."""
+    from coalesce_tools.config import read_model_config, with_parameters
+
+    return with_parameters(read_model_config(REPOSITORY / name / "config.pbtxt"), **parameters)
 
 
 @pytest.fixture(scope="session")
 def version_dir() -> Path:
-    if not (VERSION_DIR / "model.onnx").is_file():
-        pytest.fail(f"{VERSION_DIR / 'model.onnx'} is missing: run `make setup` (make test does it)")
-    return VERSION_DIR
+    return built("minilm")
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +64,7 @@ TRICKY_TEXTS = [
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server (Debian's package, installed by `make setup`) on a free loopback port."""
-    from coalesce.launcher import LaunchError, RedisServer
+    from coalesce_tools.launcher import LaunchError, RedisServer
 
     try:
         server = RedisServer().start()

@@ -1,9 +1,10 @@
 """Triton entry point of the ``coalesce`` backend: a thin adapter over the core.
 
-It converts ``pb_utils`` requests to plain numpy rows, hands all requests of one
-``execute`` to the core pipeline together, and converts results and errors back.
-Nothing else lives here: the core (package ``coalesce``) never imports
-``triton_python_backend_utils`` and is tested without Triton.
+It converts ``pb_utils`` requests to plain numpy tensors by name, hands all requests of
+one ``execute`` to the model's pipeline together (or to the adaptive scheduler), and
+converts results and errors back; ``auto_complete_config`` fills in what a minimal
+``config.pbtxt`` leaves out. Nothing else lives here: the core (package ``coalesce``)
+never imports ``triton_python_backend_utils`` and is tested without Triton, for every task.
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from coalesce import contract
-from coalesce.errors import CoalesceError, InvalidInputError, RuntimeFailure
-from coalesce.log import Logger
-from coalesce.metrics import BufferedMetricFactory, SchedulerMetrics
-from coalesce.pipeline import EmbeddingPipeline, RequestInput, RequestResult
-from coalesce.serving import (
+from coalesce.batching.pipeline import RequestResult
+from coalesce.core.errors import CoalesceError, RuntimeFailure
+from coalesce.core.tensors import TensorSpec
+from coalesce.loader import complete_config, load_pipeline, read_settings
+from coalesce.observability.log import Logger
+from coalesce.observability.metrics import BufferedMetricFactory, SchedulerMetrics
+from coalesce.scheduling.driver import (
     AdaptiveScheduler,
     Submission,
     read_parameters,
     scheduler_config,
     triton_queue_timeout_s,
 )
-from coalesce.settings import Settings
 
 
 def _triton_error(error: CoalesceError) -> Any:
@@ -56,7 +57,7 @@ def _keep_forever(obj: Any) -> Any:
 
 
 class _TritonMetricFactory:
-    """Creates each metric family once and hands out labelled handles (``coalesce.metrics.MetricFactory``)."""
+    """Creates each metric family once and hands out labelled handles (``coalesce.observability.metrics``)."""
 
     def __init__(self) -> None:
         self._families: dict[str, Any] = {}
@@ -85,24 +86,45 @@ class _TritonMetricFactory:
 class TritonPythonModel:
     """One model instance of the ``coalesce`` backend."""
 
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config: Any) -> Any:
+        """Fill in what the task and the version's graph can say: inputs, outputs, a row limit, dynamic batching."""
+        config = auto_complete_model_config.as_dict()
+        model_dir = getattr(pb_utils, "get_model_dir", None)
+        completion = complete_config(config, Path(model_dir()) if model_dir is not None else None)
+        for spec in completion.inputs:
+            auto_complete_model_config.add_input(spec.as_config())
+        _allow_ragged_batch(auto_complete_model_config, [s.name for s in completion.inputs if s.variable_axes])
+        for spec in completion.outputs:
+            auto_complete_model_config.add_output(spec.as_config())
+        if completion.max_batch_size:
+            auto_complete_model_config.set_max_batch_size(completion.max_batch_size)
+        if "sequence_batching" not in config and "ensemble_scheduling" not in config:
+            auto_complete_model_config.set_dynamic_batching()
+        logger = Logger(str(config.get("name", "model")), pb_utils.Logger)
+        for note in completion.notes:
+            logger.info(note)
+        return auto_complete_model_config
+
     def initialize(self, args: dict[str, str]) -> None:
-        """Parse settings, load tokenizer and runtime, create metrics; a bad config fails the load."""
+        """Parse settings, load the task, runtime and caches, create metrics; a bad config fails the load."""
         config = json.loads(args["model_config"])
-        settings = Settings.from_model_config(config)  # ConfigError fails the load with its message
+        settings = read_settings(config)  # ConfigError fails the load with its message
         version = args["model_version"]
         version_dir = Path(args["model_repository"]) / version
         logger = Logger(settings.model_name, pb_utils.Logger)
         # Families must outlive their metrics: the factory keeps them, and the model keeps the factory.
         # Every pb_utils metric call is a round trip to the server: record in process, send from a thread.
         self._metric_factory = BufferedMetricFactory(
-            _TritonMetricFactory(), interval_s=settings.metrics_interval_ms / 1000,
+            _TritonMetricFactory(), interval_s=settings.metrics.metrics_interval_ms / 1000,
             on_error=lambda exc: logger.error(f"sending metrics failed: {exc!r}"))
-        self._pipeline = EmbeddingPipeline.from_version_dir(
-            settings, version_dir, version=version, metric_factory=self._metric_factory, logger=logger,
-            instance_kind=args.get("model_instance_kind", "CPU"),
+        self._pipeline = load_pipeline(
+            config, version_dir, version=version, settings=settings, metric_factory=self._metric_factory,
+            logger=logger, instance_kind=args.get("model_instance_kind", "CPU"),
             device_id=int(args.get("model_instance_device_id", 0) or 0), bls_call=_bls_call)
+        self._inputs: tuple[TensorSpec, ...] = self._pipeline.task.inputs
         self._scheduler: AdaptiveScheduler | None = None
-        if settings.scheduling == "adaptive":
+        if settings.scheduler.scheduling == "adaptive":
             delay_us = int(config.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0)
             if delay_us:
                 logger.warning(f"scheduling is adaptive but Triton's max_queue_delay_microseconds is {delay_us}: "
@@ -114,8 +136,14 @@ class TritonPythonModel:
             self._scheduler = AdaptiveScheduler(
                 self._pipeline, scheduler_config(settings, triton_queue_timeout_s=queue_timeout_s),
                 SchedulerMetrics(self._metric_factory, model=settings.model_name, version=version), logger)
-        logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}; "
-                    f"settings {settings}")
+        unbatched = [t["name"] for t in config.get("input", [])
+                     if -1 in [int(d) for d in t.get("dims", [])] and not t.get("allow_ragged_batch")]
+        if unbatched:
+            logger.warning(f"inputs {unbatched} have variable dims without allow_ragged_batch: Triton's dynamic "
+                           "batcher hands over only requests of equal shapes together; set allow_ragged_batch: true "
+                           "on them so requests of every length are coalesced")
+        logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}: task "
+                    f"'{settings.task.task}'; parameters set {settings.changed()}")
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         """Answer every request of the batch Triton formed, one response each, in order.
@@ -126,9 +154,10 @@ class TritonPythonModel:
         each through its response sender.
         """
         if self._scheduler is not None:
-            ready = self._scheduler.submit([_submission(request) for request in requests])
+            ready = self._scheduler.submit([self._submission(request) for request in requests])
             return [None if result is None else _response(result) for result in ready]
-        results = self._pipeline.embed([_read_request(request) for request in requests])
+        pipeline = self._pipeline
+        results = pipeline.run(pipeline.read_all([self._tensors(request) for request in requests]))
         return [_response(result) for result in results]
 
     def finalize(self) -> None:
@@ -144,31 +173,79 @@ class TritonPythonModel:
         # and destroying a Triton request there crashes the stub (see ``errors.as_result``).
         gc.collect()
 
+    def _tensors(self, request: Any) -> dict[str, np.ndarray]:
+        """The request's inputs by name, as numpy (absent optional inputs left out).
 
-def _bls_call(model: str, version: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        Numeric tensors are copied out of the request's shared memory: under adaptive
+        scheduling rows are kept after ``execute`` returns, and a copy never depends on
+        how long the server keeps that memory.
+        """
+        tensors: dict[str, np.ndarray] = {}
+        for spec in self._inputs:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+            if tensor is None:
+                continue
+            array = tensor.as_numpy()
+            tensors[spec.name] = array if array.dtype == np.object_ else np.array(array, copy=True)
+        return tensors
+
+    def _submission(self, request: Any) -> Submission:
+        """Hand one request to the adaptive scheduler: its tensors, parameters, timeout and response sender."""
+        respond = _Responder(request)
+        tensors = self._tensors(request)
+        parameters = read_parameters(request.parameters())
+        if isinstance(parameters, CoalesceError):
+            return Submission(tensors=parameters, respond=respond)
+        tenant, priority = parameters
+        return Submission(tensors=tensors, respond=respond, tenant=tenant, priority=priority,
+                          timeout_s=request.timeout() / 1e6, is_cancelled=request.is_cancelled)
+
+
+def _allow_ragged_batch(model_config: Any, names: Sequence[str]) -> None:
+    """Set ``allow_ragged_batch`` on the completed inputs ``names`` (variable dims).
+
+    Without it Triton's dynamic batcher puts only requests of equal shapes in one
+    ``execute``; with it, requests of every length come together and the task pads them.
+    ``ModelConfig.add_input`` takes no such property, but the stub sends back the
+    object's ``_model_config`` dict as it is (python_backend ``pb_stub.cc``,
+    ``AutoCompleteModelConfig``), so the property is set on the entries there.
+    """
+    config = getattr(model_config, "_model_config", None)
+    if not names or not isinstance(config, dict):
+        return
+    for entry in config.get("input", []):
+        if entry.get("name") in names:
+            entry["allow_ragged_batch"] = True
+
+
+def _bls_call(model: str, version: str, inputs: Mapping[str, np.ndarray],
+              outputs: Sequence[str]) -> dict[str, np.ndarray]:
     """One BLS request to another model of this server (the ``bls`` runtime's transport)."""
     request = pb_utils.InferenceRequest(
-        model_name=model, model_version=int(version) if version else -1,
-        requested_output_names=[contract.GRAPH_OUTPUT_HIDDEN],
+        model_name=model, model_version=int(version) if version else -1, requested_output_names=list(outputs),
         inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()])
     response = request.exec()
     if response.has_error():
         raise RuntimeFailure(f"model '{model}' answered: {response.error().message()}")
-    tensor = pb_utils.get_output_tensor_by_name(response, contract.GRAPH_OUTPUT_HIDDEN)
-    if tensor is None:
-        return {}
-    if tensor.is_cpu():
-        return {contract.GRAPH_OUTPUT_HIDDEN: tensor.as_numpy()}
-    import torch  # a GPU target's output: through DLPack, then to the host for pooling
+    found: dict[str, np.ndarray] = {}
+    for name in outputs:
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is None:
+            continue
+        if tensor.is_cpu():
+            found[name] = tensor.as_numpy()
+        else:
+            import torch  # a GPU target's output: through DLPack, then to the host for the task's own step
 
-    return {contract.GRAPH_OUTPUT_HIDDEN: torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).float().cpu().numpy()}
+            found[name] = torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).cpu().numpy()
+    return found
 
 
 def _response(result: RequestResult) -> Any:
-    """The Triton response of one result: the embeddings, or the error with its Triton code."""
+    """The Triton response of one result: the outputs by name, or the error with its Triton code."""
     if isinstance(result, CoalesceError):
         return pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(result))
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(contract.OUTPUT_EMBEDDING, result)])
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, value) for name, value in result.items()])
 
 
 class _Responder:
@@ -184,29 +261,3 @@ class _Responder:
     def __call__(self, result: RequestResult) -> None:
         self._sender.send(_response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self._request = None
-
-
-def _submission(request: Any) -> Submission:
-    """Hand one request to the adaptive scheduler: its rows, parameters, timeout and response sender."""
-    respond = _Responder(request)
-    rows = _read_request(request)
-    parameters = read_parameters(request.parameters())
-    if isinstance(parameters, CoalesceError):
-        return Submission(rows=parameters, respond=respond)
-    tenant, priority = parameters
-    return Submission(rows=rows, respond=respond, tenant=tenant, priority=priority,
-                      timeout_s=request.timeout() / 1e6, is_cancelled=request.is_cancelled)
-
-
-def _read_request(request: Any) -> RequestInput:
-    """Turn one request's ``TEXT`` tensor into its raw rows, or the error it deserves."""
-    tensor = pb_utils.get_input_tensor_by_name(request, contract.INPUT_TEXT)
-    if tensor is None:
-        return InvalidInputError(f"request has no input '{contract.INPUT_TEXT}'")
-    array = tensor.as_numpy()
-    if array.ndim != 2 or array.shape[1] != 1:
-        return InvalidInputError(
-            f"input '{contract.INPUT_TEXT}' has shape {list(array.shape)}, expected [N, 1]")
-    if array.dtype != np.object_:
-        return InvalidInputError(f"input '{contract.INPUT_TEXT}' has dtype {array.dtype}, expected BYTES")
-    return list(array[:, 0])

@@ -22,10 +22,11 @@ from coalesce_client.errors import (
     ServerUnavailableError,
 )
 
-#: Tensor names of the embedding contract (kept in step with ``coalesce.contract``).
+#: Tensor names of the embedding contract (kept in step with the embedding task, ``coalesce.tasks.embedding``).
 INPUT_TEXT: Final = "TEXT"
 OUTPUT_EMBEDDING: Final = "EMBEDDING"
-#: How an adaptive model's refusals begin (``coalesce.serving.REFUSED_PREFIX``; the client does not import the backend).
+#: How an adaptive model's refusals begin (``coalesce.scheduling.driver.REFUSED_PREFIX``; the client
+#: does not import the backend).
 REFUSED_MARKER: Final = "request refused: "
 #: Triton's own refusal of a request that waited past its queue policy's timeout (``timeout_action: REJECT``).
 TRITON_QUEUE_TIMEOUT: Final = "Request timeout expired"

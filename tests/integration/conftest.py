@@ -1,35 +1,58 @@
 """A real tritonserver for the integration tests, on free ports, with explicit model control.
 
-The repository is a temporary copy of ``model_repository/minilm`` (weights linked,
-not copied) plus test-only variants; broken-config tests add models to it and load
-them through the repository API. The server is always stopped, and its log is
-shown when a test fails.
+The repository is a temporary copy of every example model of ``model_repository/``
+(one per task; build outputs linked, not copied) plus test-only variants; broken-config
+tests add models to it and load them through the repository API. Every model is served
+together by one server, as a user's repository would be. The server is always stopped,
+and its log is shown when a test fails.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+from concurrent.futures import ThreadPoolExecutor
 import shutil
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from coalesce.launcher import LaunchError, ServerOptions, TritonServer, free_port
-from tests.conftest import MODEL_DIR
+from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer, free_port
+from tests.conftest import EXAMPLE_MODELS, MODEL_DIR, REPOSITORY, built
 
 #: Test-only variant: waits up to 2 s for exactly 6 requests, so a test can put 6 requests in one execute().
 WIDE_MODEL = "minilm_wide"
 WIDE_BATCH = 6
 
 
-def add_model(repo: Path, name: str, *, replace: dict[str, str] | None = None,
-              source: Path = MODEL_DIR) -> Path:
-    """Copy ``source``'s config into ``repo/name`` with text replacements; link its version files."""
+#: A fixed cost model for test-only variants: they load without calibrating (seconds each on 2 cores).
+FIXED_COST = "0.003,0.0001,0"
+
+
+def add_model(repo: Path, name: str, *, replace: dict[str, str] | None = None, source: Path = MODEL_DIR,
+              parameters: dict[str, str] | None = None, wide: int = 0) -> Path:
+    """Copy ``source``'s config into ``repo/name`` with text replacements; link its version files.
+
+    ``parameters`` are added to the config's; ``wide`` > 0 makes Triton wait up to 2 s for
+    exactly that many requests, so a test can put them in one ``execute``.
+    """
     text = (source / "config.pbtxt").read_text()
-    text = text.replace('name: "minilm"', f'name: "{name}"')
+    text = text.replace(f'name: "{source.name}"', f'name: "{name}"')
+    for key, value in (parameters or {}).items():
+        entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+        text, count = re.subn(r'\{ key: "' + re.escape(key) + r'", value: \{ string_value: "[^"]*" \} \}', entry, text)
+        if not count:
+            text = text.replace("parameters [", f"parameters [\n  {entry},", 1)
+    if wide:
+        batching = (f"dynamic_batching {{\n  preferred_batch_size: [ {wide} ]\n"
+                    "  max_queue_delay_microseconds: 2000000\n}")
+        text, count = re.subn(r"dynamic_batching \{.*?\n\}", batching, text, flags=re.S)
+        if not count:
+            text += "\n" + batching + "\n"
     for pattern, new in (replace or {}).items():
         text, count = re.subn(pattern, new, text, flags=re.S)
         assert count, f"pattern {pattern!r} not found in config"
@@ -42,12 +65,12 @@ def add_model(repo: Path, name: str, *, replace: dict[str, str] | None = None,
 
 
 @pytest.fixture(scope="session")
-def repository(tmp_path_factory, version_dir) -> Path:
+def repository(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("model_repository")
-    add_model(repo, "minilm")
-    add_model(repo, WIDE_MODEL, replace={
-        r"dynamic_batching \{.*?\n\}": f"dynamic_batching {{\n  preferred_batch_size: [ {WIDE_BATCH} ]\n"
-                                       "  max_queue_delay_microseconds: 2000000\n}"})
+    for name in EXAMPLE_MODELS:
+        built(name)
+        add_model(repo, name, source=REPOSITORY / name)
+    add_model(repo, WIDE_MODEL, wide=WIDE_BATCH, parameters={"cost_model": FIXED_COST})
     return repo
 
 
@@ -55,7 +78,7 @@ def repository(tmp_path_factory, version_dir) -> Path:
 def server(repository, request):
     options = ServerOptions(model_repository=repository, host="127.0.0.1", http_port=free_port(),
                             grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                            load_models=("minilm", WIDE_MODEL))
+                            load_models=(*EXAMPLE_MODELS, WIDE_MODEL))
     triton = TritonServer(options)
     try:
         triton.start()
@@ -67,14 +90,14 @@ def server(repository, request):
     assert code in (0, -2), f"tritonserver stopped with code {code}:\n{triton.log_tail()}"
 
 
-def _stub_crashes() -> list[str] | None:
-    """The kernel's segfault reports for Python backend stubs, or None where the kernel log is closed to us."""
+def _stub_crashes() -> list[str] | str:
+    """The kernel's segfault reports for Python backend stubs, or why the kernel log cannot be read here."""
     try:
         log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"dmesg could not run ({exc})"
     if log.returncode != 0:
-        return None
+        return f"dmesg exited with {log.returncode}: {log.stderr.strip()[:200]}"
     return [line for line in log.stdout.splitlines() if "triton_python_b" in line and "segfault" in line]
 
 
@@ -83,14 +106,18 @@ def no_stub_crashes():
     """Fail the session if a model's stub process crashed, even where Triton and every test carried on.
 
     A stub that crashes at shutdown leaves no trace in the server's log nor its exit code;
-    only the kernel sees it. Skipped silently where ``dmesg`` is not readable.
+    only the kernel sees it. Where ``dmesg`` is not readable the check cannot run: the
+    session says so in its warnings summary rather than passing it silently.
     """
     before = _stub_crashes()
+    if isinstance(before, str):
+        warnings.warn(pytest.PytestWarning(f"the stub-crash check is off: {before}"), stacklevel=1)
     yield
-    if before is None:
+    if isinstance(before, str):
         return
     time.sleep(1)  # a stub still exiting after its server
-    after = _stub_crashes() or []
+    after = _stub_crashes()
+    after = after if isinstance(after, list) else []
     new = [line for line in after if line not in before]  # each line carries its own timestamp and pid
     assert not new, "Python backend stub process(es) crashed during the tests:\n" + "\n".join(new)
 
@@ -102,6 +129,79 @@ def pytest_runtest_makereport(item, call):
     triton = getattr(item.session, "triton_server", None)
     if report.when == "call" and report.failed and triton is not None:
         report.sections.append(("tritonserver log (tail)", triton.log_tail(80)))
+
+
+def infer(server, protocol: str, model: str, inputs: list[tuple[str, np.ndarray, str]],
+          outputs: list[str]) -> dict[str, np.ndarray]:
+    """Send exactly ``inputs`` ([(name, array, Triton datatype)]) to ``model``; return the ``outputs`` by name."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    tc = httpclient if protocol == "http" else grpcclient
+    client = tc.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
+    try:
+        items = []
+        for name, array, datatype in inputs:
+            item = tc.InferInput(name, list(array.shape), datatype)
+            item.set_data_from_numpy(array)
+            items.append(item)
+        result = client.infer(model, items, outputs=[tc.InferRequestedOutput(name) for name in outputs])
+        return {name: result.as_numpy(name) for name in outputs}
+    finally:
+        client.close()
+
+
+def infer_concurrently(server, protocol: str, model: str, requests: list[list[tuple[str, np.ndarray, str]]],
+                       outputs: list[str], concurrency: int = 16) -> list[dict[str, np.ndarray] | Exception]:
+    """Send every request at once (``concurrency`` in flight), so Triton batches them; results in order.
+
+    gRPC: one thread-safe client over a thread pool. HTTP: one gevent-based client's
+    ``async_infer`` (it is not thread-safe).
+    """
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    def items(tc, request):
+        out = []
+        for name, array, datatype in request:
+            item = tc.InferInput(name, list(array.shape), datatype)
+            item.set_data_from_numpy(array)
+            out.append(item)
+        return out
+
+    def unpack(result):
+        return {name: result.as_numpy(name) for name in outputs}
+
+    if protocol == "http":
+        client = httpclient.InferenceServerClient(server.http_url, concurrency=concurrency)
+        try:
+            pending = [client.async_infer(model, items(httpclient, r),
+                                          outputs=[httpclient.InferRequestedOutput(n) for n in outputs])
+                       for r in requests]
+            answers: list[dict[str, np.ndarray] | Exception] = []
+            for handle in pending:
+                try:
+                    answers.append(unpack(handle.get_result()))
+                except InferenceServerException as exc:
+                    answers.append(exc)
+            return answers
+        finally:
+            client.close()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def one(request):
+        try:
+            return unpack(client.infer(model, items(grpcclient, request),
+                                       outputs=[grpcclient.InferRequestedOutput(n) for n in outputs]))
+        except InferenceServerException as exc:
+            return exc
+
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(one, requests))
+    finally:
+        client.close()
 
 
 @pytest.fixture()
@@ -129,6 +229,8 @@ def scratch_model(repository, http_client):
 
     def make(name: str, **kwargs) -> Path:
         names.append(name)
+        if isinstance(kwargs.get("source"), str):
+            kwargs["source"] = REPOSITORY / kwargs["source"]
         return add_model(repository, name, **kwargs)
 
     yield make

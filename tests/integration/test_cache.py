@@ -5,8 +5,11 @@ import time
 import urllib.request
 
 import numpy as np
+import pytest
 
 from coalesce_client import EmbeddingClient
+from coalesce_client.client import encode_texts
+from tests.integration.conftest import FIXED_COST, infer
 
 
 def metric(server, name, model):
@@ -41,8 +44,7 @@ def settled_metric(server, name, model, condition, timeout_s=30.0):
 
 
 def test_cached_rows_match_computed_and_are_counted(server, scratch_model, http_client):
-    scratch_model("cached", replace={r'\{ key: "runtime"': '{ key: "cache_bytes", value: { string_value: "1048576" } },'
-                                                            '\n  { key: "runtime"'})
+    scratch_model("cached", parameters={"cache_bytes": "1048576"})
     http_client.load_model("cached")
     with EmbeddingClient(server.grpc_url, model="cached") as client:
         first = client.embed(["a cached sentence", "another one"])
@@ -57,3 +59,47 @@ def test_cached_rows_match_computed_and_are_counted(server, scratch_model, http_
     settled_metric(server, "coalesce_cache_misses_total", "cached", lambda v: v == 3)
     settled_metric(server, "coalesce_deduplicated_rows_total", "cached", lambda v: v == 1)
     settled_metric(server, "coalesce_cache_resident_bytes", "cached", lambda v: v > 3 * 384 * 4)
+
+
+def _classify_rows(rows):
+    return [("TEXT", encode_texts([q for q, _ in rows]), "BYTES"), ("TEXT_PAIR", encode_texts([d for _, d in rows]),
+                                                                       "BYTES")]
+
+
+def _token_rows(rows):
+    return [("input_ids", np.array(rows, dtype=np.int64), "INT64"),
+            ("token_type_ids", np.zeros((len(rows), len(rows[0])), dtype=np.int64), "INT64")]
+
+
+def _digit_rows(rows):
+    return [("image", np.stack([np.full((8, 8), v, dtype=np.float32) for v in rows]), "FP32")]
+
+
+#: Per task: example model, output, how a request of rows is made, a first request and a second one
+#: holding two of its rows (in another order), one new row and a duplicate of that new row.
+TASK_CASES = {
+    "classify": ("minilm_rerank", "SCORES", _classify_rows,
+                 [("q", "first document"), ("q", "second document")],
+                 [("q", "second document"), ("q", "new"), ("q", "new"), ("q", "first document")]),
+    "tensor_variable": ("minilm_tokens", "last_hidden_state", _token_rows,
+                        [[101, 2000, 102], [101, 3000, 102]],
+                        [[101, 3000, 102], [101, 4000, 102], [101, 4000, 102], [101, 2000, 102]]),
+    "tensor_fixed": ("digits", "logits", _digit_rows, [1.0, 2.0], [2.0, 5.0, 5.0, 1.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TASK_CASES))
+def test_every_task_answers_cached_and_duplicate_rows_bit_identical(server, scratch_model, http_client, case):
+    source, output, make, first_rows, second_rows = TASK_CASES[case]
+    name = f"cached_{case}"
+    scratch_model(name, source=source, parameters={"cache_bytes": "4194304", "cost_model": FIXED_COST})
+    http_client.load_model(name)
+    first = infer(server, "grpc", name, make(first_rows), [output])[output]
+    second = infer(server, "grpc", name, make(second_rows), [output])[output]
+    plain = infer(server, "grpc", source, make(second_rows), [output])[output]  # the same rows, no cache
+    assert second[3].tobytes() == first[0].tobytes() and second[0].tobytes() == first[1].tobytes()
+    assert second[1].tobytes() == second[2].tobytes()
+    np.testing.assert_allclose(second, plain, atol=1e-5)
+    settled_metric(server, "coalesce_cache_hits_total", name, lambda v: v == 2)
+    settled_metric(server, "coalesce_cache_misses_total", name, lambda v: v == 3)
+    settled_metric(server, "coalesce_deduplicated_rows_total", name, lambda v: v == 1)

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coalesce.launcher import free_port
 from coalesce_client import (
     AsyncEmbeddingClient,
     EmbeddingClient,
@@ -24,6 +23,7 @@ from coalesce_client import (
     ServerUnavailableError,
 )
 from coalesce_client.load import sample_texts
+from coalesce_tools.launcher import free_port
 from tests.conftest import ROOT, TRICKY_TEXTS
 from tests.integration.conftest import add_model
 
@@ -126,7 +126,7 @@ def test_serve_fails_fast_with_the_server_log(tmp_path):
     add_model(repo, "broken", replace={r'\{ key: "runtime"': '{ key: "bogus", value: { string_value: "1" } },\n'
                                                              '  { key: "runtime"'})
     done = subprocess.run(
-        [sys.executable, "-m", "coalesce.cli", "serve", "--model-repository", str(repo), "--quiet"],
+        [sys.executable, "-m", "coalesce_tools.cli", "serve", "--model-repository", str(repo), "--quiet"],
         capture_output=True, text=True, timeout=180,
         env=serve_env(HTTP_PORT=free_port(), GRPC_PORT=free_port(), METRICS_PORT=free_port()))
     assert done.returncode != 0
@@ -139,7 +139,7 @@ def test_serve_prints_endpoints_and_stops_on_sigterm(tmp_path):
     add_model(repo, "minilm")
     http, grpc, metrics = free_port(), free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "coalesce.cli", "serve", "--model-repository", str(repo), "--quiet"],
+        [sys.executable, "-m", "coalesce_tools.cli", "serve", "--model-repository", str(repo), "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=serve_env(HTTP_PORT=http, GRPC_PORT=grpc, METRICS_PORT=metrics, MODEL_CONTROL="explicit"))
     try:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from tritonclient.utils import InferenceServerException
+
+from tests.conftest import REPOSITORY
 
 
 @pytest.mark.parametrize(("name", "replace", "fragments"), [
@@ -15,7 +19,7 @@ from tritonclient.utils import InferenceServerException
      ["model 'broken_bad_value'", "parameter 'max_batch_rows' has bad value 'lots'", "expected an integer"]),
     ("broken_output_dims",
      {r"dims: \[ 384 \]": "dims: [ 768 ]"},
-     ["model 'broken_output_dims'", "output EMBEDDING has dims [768]", "produces width 384"]),
+     ["model 'broken_output_dims'", "output EMBEDDING has dims [768]", "the graph produces width 384"]),
     ("broken_input_type",
      {r"data_type: TYPE_STRING": "data_type: TYPE_INT32"},
      ["model 'broken_input_type'", "input 'TEXT' has data_type 'TYPE_INT32'"]),
@@ -66,3 +70,66 @@ def test_reload_with_config_override(scratch_model, http_client, grpc_client):
         assert grpc_client.infer("retuned", [item]).as_numpy("EMBEDDING").shape == (2, 384)
         http_client.load_model("retuned", config=json.dumps(config))
     assert grpc_client.is_server_live() and grpc_client.is_model_ready("minilm")
+
+
+MINIMAL = 'backend: "coalesce"\n'
+
+
+def _minimal_model(repository, name: str, source: str, files: tuple[str, ...], config: str) -> None:
+    """A user's model: a few lines of config and the graph (and tokenizer) in version folder 1."""
+    target = repository / name / "1"
+    target.mkdir(parents=True)
+    (repository / name / "config.pbtxt").write_text(config)
+    for item in files:
+        (target / item).symlink_to((REPOSITORY / source / "1" / item).resolve())
+
+
+@pytest.mark.parametrize(("name", "source", "files", "extra", "inputs", "outputs"), [
+    ("user_embedder", "minilm", ("model.onnx", "tokenizer.json"), "",
+     [("TEXT", "TYPE_STRING", [1])], [("EMBEDDING", "TYPE_FP32", [384])]),
+    ("user_reranker", "minilm_rerank", ("model.onnx", "tokenizer.json"),
+     'parameters [ { key: "task", value: { string_value: "classify" } } ]\n',
+     [("TEXT", "TYPE_STRING", [1]), ("TEXT_PAIR", "TYPE_STRING", [1])], [("SCORES", "TYPE_FP32", [1])]),
+    ("user_graph", "minilm_tokens", ("model.onnx",),
+     'parameters [ { key: "task", value: { string_value: "tensor" } },\n'
+     '  { key: "mask_input", value: { string_value: "attention_mask" } } ]\n',
+     [("input_ids", "TYPE_INT64", [-1]), ("attention_mask", "TYPE_INT64", [-1]),
+      ("token_type_ids", "TYPE_INT64", [-1])], [("last_hidden_state", "TYPE_FP32", [-1, 384])]),
+])
+def test_a_minimal_config_is_completed_from_the_task_and_graph(repository, http_client, grpc_client, name, source,
+                                                               files, extra, inputs, outputs):
+    """``backend``, the task and the files are enough: inputs, outputs and a row limit are filled in at load."""
+    _minimal_model(repository, name, source, files, MINIMAL + extra)
+    try:
+        http_client.load_model(name)
+        config = grpc_client.get_model_config(name, as_json=True)["config"]
+        assert [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config["input"]] == inputs
+        assert [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config["output"]] == outputs
+        assert int(config["max_batch_size"]) == 64 and "dynamic_batching" in config
+        if name == "user_graph":
+            assert [bool(t.get("optional")) for t in config["input"]] == [False, True, False]
+            assert all(t.get("allow_ragged_batch") for t in config["input"]), config["input"]
+    finally:
+        http_client.unload_model(name)
+        shutil.rmtree(repository / name, ignore_errors=True)
+
+
+def test_a_graph_a_text_task_cannot_feed_is_refused_with_what_to_do(repository, http_client):
+    _minimal_model(repository, "wrong_task", "digits", ("model.onnx", ), MINIMAL)
+    (repository / "wrong_task" / "1" / "tokenizer.json").symlink_to((REPOSITORY / "minilm" / "1" /
+                                                                     "tokenizer.json").resolve())
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            http_client.load_model("wrong_task")
+        assert "the graph takes inputs ['image']" in info.value.message()
+        assert "Serve other graphs with task 'tensor'" in info.value.message()
+    finally:
+        shutil.rmtree(repository / "wrong_task", ignore_errors=True)
+
+
+def test_a_parameter_of_another_task_is_refused(scratch_model, http_client):
+    scratch_model("pooled_digits", source="digits", parameters={"pooling": "cls"})
+    with pytest.raises(InferenceServerException) as info:
+        http_client.load_model("pooled_digits")
+    assert "parameter 'pooling' (value 'cls') applies to task embedding, but this model's task is 'tensor'" in \
+        info.value.message()

@@ -1,38 +1,38 @@
 """GPU paths against a real server: skipped with the reason on a machine without an NVIDIA GPU."""
 
-import json
 import shutil
 
 import numpy as np
 import pytest
 
-from coalesce.launcher import ServerOptions, TritonServer, free_port
-from coalesce.runtime.select import probe
-from coalesce.settings import Settings
+from coalesce.loader import read_settings
+from coalesce.runtimes.select import probe
+from coalesce.tasks import create_task
+from coalesce_tools.config import read_model_config
+from coalesce_tools.engine import profiles_for
+from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from tests.conftest import MODEL_DIR, ROOT, TRICKY_TEXTS
 
 GPU_CONFIGS = ROOT / "scripts" / "gpu" / "model_repository"
 
 
-def pbtxt_to_settings(path):
-    """The KIND_GPU configs hold what the CPU one holds, besides instance kind and runtime."""
-    from coalesce.profiles import read_config_limits
-
-    text = path.read_text()
-    limits = read_config_limits(text)
-    return limits, "KIND_GPU" in text
-
-
 @pytest.mark.parametrize("name", ["minilm_gpu", "minilm_trt"])
-def test_gpu_configs_keep_the_contract_and_the_cpu_configs_limits(name):
-    limits, on_gpu = pbtxt_to_settings(GPU_CONFIGS / name / "config.pbtxt")
-    assert on_gpu
-    assert limits == pbtxt_to_settings(MODEL_DIR / "config.pbtxt")[0]
-    config = {"name": name, "max_batch_size": 64, "input": [{"name": "TEXT", "data_type": "TYPE_STRING",
-                                                             "dims": ["1"]}],
-              "output": [{"name": "EMBEDDING", "data_type": "TYPE_FP32", "dims": ["384"]}],
-              "parameters": {"runtime": {"string_value": "tensorrt" if name == "minilm_trt" else "auto"}}}
-    assert Settings.from_model_config(json.loads(json.dumps(config))).model_name == name
+def test_gpu_configs_serve_the_cpu_models_contract_on_gpu_instances(name, version_dir):
+    """Clients of ``minilm`` work unchanged against the GPU models, and every pass the planner cuts has a profile."""
+    gpu_config = read_model_config(GPU_CONFIGS / name / "config.pbtxt")
+    cpu_config = read_model_config(MODEL_DIR / "config.pbtxt")
+    assert gpu_config["name"] == name
+    assert {group["kind"] for group in gpu_config["instance_group"]} == {"KIND_GPU"}
+    gpu_settings, cpu_settings = read_settings(gpu_config), read_settings(cpu_config)
+    gpu_task = create_task(gpu_settings, gpu_config, version_dir)
+    cpu_task = create_task(cpu_settings, cpu_config, version_dir)
+    assert (gpu_task.name, gpu_task.inputs, gpu_task.outputs) == (cpu_task.name, cpu_task.inputs, cpu_task.outputs)
+    assert gpu_settings.runtime.runtime == ("tensorrt" if name == "minilm_trt" else "auto")
+    profiles = profiles_for(GPU_CONFIGS / name)
+    longest = gpu_settings.task.max_sequence_length
+    for rows in (1, gpu_settings.planner.max_batch_rows):
+        for length in (1, longest // 2, longest):
+            assert any(p.holds(rows, length) for p in profiles), (rows, length, profiles)
 
 
 @pytest.mark.gpu

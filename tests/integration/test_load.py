@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from coalesce.launcher import free_port
+from coalesce_tools.launcher import free_port
 from perf.load import run_locust
 
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from coalesce.launcher import ServerOptions, TritonServer, free_port
 from coalesce_client import EmbeddingClient
+from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from tests.integration.conftest import add_model
 
 

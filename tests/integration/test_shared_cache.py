@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import redis
 
-from coalesce.launcher import RedisServer
 from coalesce_client import EmbeddingClient
+from coalesce_tools.launcher import RedisServer
+from tests.integration.conftest import FIXED_COST, infer
 from tests.integration.test_cache import metric, settled_metric, wait_for
 
 MODEL = "shared"
@@ -33,8 +34,7 @@ def shared_model(server, repository, redis_for_model):
 
     parameters = {"cache_bytes": "0", "redis_url": redis_for_model.url, "redis_timeout_ms": "200",
                   "redis_retry_s": "0.2", "redis_key_prefix": PREFIX}
-    entries = "".join(f'{{ key: "{k}", value: {{ string_value: "{v}" }} }},\n  ' for k, v in parameters.items())
-    add_model(repository, MODEL, replace={r'\{ key: "runtime"': entries + '{ key: "runtime"'})
+    add_model(repository, MODEL, parameters=parameters)
     client = httpclient.InferenceServerClient(server.http_url)
     client.load_model(MODEL)
     yield MODEL
@@ -62,6 +62,30 @@ def test_a_reloaded_model_starts_warm_from_redis(server, shared_model, redis_for
         warm = client.embed(texts)
     assert warm.tobytes() == computed.tobytes()
     settled_metric(server, "coalesce_shared_cache_hits_total", shared_model, lambda v: v >= 3)
+
+
+def test_a_tensor_model_with_rows_of_many_lengths_starts_warm_too(server, scratch_model, redis_for_model,
+                                                                   http_client):
+    """Values of outputs that follow each row's length are stored and checked per row."""
+    scratch_model("shared_tokens", source="minilm_tokens",
+                  parameters={"redis_url": redis_for_model.url, "redis_key_prefix": "itest-tokens:",
+                              "cost_model": FIXED_COST})
+    http_client.load_model("shared_tokens")
+    requests = [[101, 7592, 102], [101, 7592, 2088, 2003, 102], [101, 102]]
+
+    def ask():
+        return [infer(server, "grpc", "shared_tokens",
+                      [("input_ids", np.array([ids], dtype=np.int64), "INT64"),
+                       ("token_type_ids", np.zeros((1, len(ids)), dtype=np.int64), "INT64")],
+                      ["last_hidden_state"])["last_hidden_state"] for ids in requests]
+
+    computed = ask()
+    assert wait_for(lambda: len(redis.Redis.from_url(redis_for_model.url).keys("itest-tokens:*")) >= 3)
+    http_client.load_model("shared_tokens")  # a new stub: only Redis can answer without computing
+    warm = ask()
+    assert [w.tobytes() for w in warm] == [c.tobytes() for c in computed]
+    assert [w.shape for w in warm] == [(1, len(ids), 384) for ids in requests]
+    settled_metric(server, "coalesce_shared_cache_hits_total", "shared_tokens", lambda v: v >= 3)
 
 
 def test_redis_killed_mid_run_fails_no_request_and_the_tier_comes_back(server, shared_model, redis_for_model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from coalesce.tune import main as tune_main
+from coalesce_tools.tune import main as tune_main
 from perf import workloads
 from tests.integration.conftest import add_model
 

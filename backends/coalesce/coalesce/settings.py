@@ -1,89 +1,174 @@
-"""The backend's one typed settings object, parsed once from ``config.pbtxt``.
+"""The settings of one model, parsed once from ``config.pbtxt`` ``parameters``: one options object per component.
 
-Every key under ``parameters`` is declared here with its type, default, bounds and
-meaning. Unknown keys and bad values make the model load fail with a message that
-names the model, the key and the value, so a typo never silently falls back to a
-default.
+Every key a user may set is declared here with its type, default, bounds and meaning,
+in the options class of the component that reads it (the task, the runtime, the
+planner, the row cache, the scheduler, the metrics). Unknown keys, bad values and keys
+of another task's options make the load fail with a message naming the model, the key
+and the value, so a typo never silently falls back to a default.
+
+This module imports nothing of ours: every component imports it, never the reverse.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
-from coalesce import contract
-from coalesce.errors import ConfigError
-
+#: The tasks a model may declare (parameter ``task``).
+TASKS: Final = ("embedding", "classify", "tensor")
 RUNTIME_CHOICES: Final = ("auto", "tensorrt", "onnxruntime", "torch", "bls")
 PRECISION_CHOICES: Final = ("fp32", "fp16")
 POOLING_CHOICES: Final = ("mean", "cls")
+ACTIVATION_CHOICES: Final = ("none", "sigmoid", "softmax")
 PLANNER_CHOICES: Final = ("dp", "greedy")
 SCHEDULING_CHOICES: Final = ("triton", "adaptive")
 REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
+#: Per-input parameter of the tensor task: ``pad_value:<input name>``.
+PAD_VALUE_PREFIX: Final = "pad_value:"
 _TRUE: Final = frozenset({"true", "1", "yes", "on"})
 _FALSE: Final = frozenset({"false", "0", "no", "off"})
+
+
+class SettingsError(ValueError):
+    """A parameter is unknown, malformed, out of bounds or inconsistent; the model's load fails with this message."""
 
 
 def _spec(default: Any, doc: str, *, low: float | None = None, high: float | None = None,
           choices: tuple[str, ...] | None = None) -> Any:
     """Declare a setting: its default, help text and bounds, kept in field metadata."""
-    return dataclasses.field(
-        default=default, metadata={"doc": doc, "low": low, "high": high, "choices": choices}
-    )
+    return dataclasses.field(default=default, metadata={"doc": doc, "low": low, "high": high, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-    """Validated backend settings of one model (``config.pbtxt`` ``parameters``).
+class TaskOptions:
+    """What the model does with its rows (every task)."""
 
-    Attributes are documented by their ``doc`` metadata, which ``coalesce settings``
-    prints and the README reproduces.
+    TASKS: ClassVar[tuple[str, ...] | None] = None
+
+    task: str = _spec(
+        "embedding", "What the model does: `embedding` (texts to vectors), `classify` (texts or text pairs to "
+        "scores: classifiers and cross-encoder rerankers) or `tensor` (any graph: named tensors in and out, rows on "
+        "dim 0).", choices=TASKS)
+    max_sequence_length: int = _spec(
+        256, "Longest row in positions: text tasks truncate to this many tokens (special tokens included); the "
+        "tensor task refuses rows whose variable dim is longer.", low=1, high=1 << 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextOptions:
+    """Reading and tokenising texts (tasks ``embedding`` and ``classify``)."""
+
+    TASKS: ClassVar[tuple[str, ...] | None] = ("embedding", "classify")
+
+    tokenizer_file: str = _spec("tokenizer.json", "Hugging Face `tokenizers` file, relative to the version folder.")
+    max_text_bytes: int = _spec(1_048_576, "Largest accepted text in bytes; a larger one gets INVALID_ARG.",
+                                low=1, high=1 << 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingOptions:
+    """Turning token states into one vector per text (task ``embedding``)."""
+
+    TASKS: ClassVar[tuple[str, ...] | None] = ("embedding",)
+
+    pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls` (the first "
+                         "token's state).", choices=POOLING_CHOICES)
+    normalize: bool = _spec(True, "L2-normalise each embedding.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifyOptions:
+    """Turning logits into scores (task ``classify``)."""
+
+    TASKS: ClassVar[tuple[str, ...] | None] = ("classify",)
+
+    activation: str = _spec(
+        "none", "Applied to each row's logits: `none` (raw logits), `sigmoid` (per label, e.g. a one-label "
+        "cross-encoder's relevance) or `softmax` (over the labels).", choices=ACTIVATION_CHOICES)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorOptions:
+    """Padding and masking of variable-length inputs (task ``tensor``).
+
+    ``pad_values`` come from the per-input keys ``pad_value:<input name>``.
     """
+
+    TASKS: ClassVar[tuple[str, ...] | None] = ("tensor",)
+
+    mask_input: str = _spec(
+        "", "Input holding the 0/1 mask of real positions: filled by the backend when a request leaves it out "
+        "(declare it `optional: true`), checked and padded with 0 when sent. Empty: no mask.")
+    pad_values: Mapping[str, float] = dataclasses.field(default_factory=dict, metadata={
+        "doc": "`pad_value:<input>`: value a variable-length input is padded with (default 0).", "dynamic": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    """Which engine runs the forward passes, and how (every task)."""
+
+    TASKS: ClassVar[tuple[str, ...] | None] = None
 
     runtime: str = _spec(
         "auto", "Inference runtime: `auto` picks the best available (TensorRT engine, ONNX Runtime on the GPU, "
         "torch on CUDA, ONNX Runtime on the CPU) and logs why; `tensorrt`, `onnxruntime`, `torch` or `bls` "
         "force one, and fail the load saying what is missing.", choices=RUNTIME_CHOICES)
+    onnx_file: str = _spec("model.onnx", "ONNX graph, relative to the version folder.")
     engine_file: str = _spec("model.plan", "TensorRT engine, relative to the version folder (`coalesce build-engine`).")
     torch_model_dir: str = _spec(
-        "hf", "Hugging Face weights folder for the torch runtime, relative to the version folder (`coalesce export`).")
+        "hf", "Hugging Face weights folder for the torch runtime (text tasks), relative to the version folder.")
     precision: str = _spec(
-        "fp32", "Compute precision of the torch runtime on CUDA (`fp16` halves memory and doubles tensor-core "
-        "throughput); TensorRT engines carry their own (see the JSON beside the plan).", choices=PRECISION_CHOICES)
+        "fp32", "Compute precision of the torch runtime on CUDA (`fp16` halves memory and uses tensor cores); "
+        "TensorRT engines carry their own. Part of the cache key.", choices=PRECISION_CHOICES)
     cuda_graphs: bool = _spec(
         False, "torch on CUDA: capture CUDA graphs for fixed (rows, length) buckets and pad passes up to them.")
-    bls_model: str = _spec("", "runtime `bls`: the Triton model that runs the encoder graph for each pass.")
+    bls_model: str = _spec("", "runtime `bls`: the Triton model that runs the graph for each pass.")
     bls_model_version: str = _spec("", "runtime `bls`: version of `bls_model` (empty: the server's policy).")
-    onnx_file: str = _spec("model.onnx", "ONNX graph, relative to the model's version folder.")
-    tokenizer_file: str = _spec("tokenizer.json", "Hugging Face `tokenizers` file, relative to the version folder.")
-    max_sequence_length: int = _spec(
-        256, "Tokens per text after truncation, special tokens included (all-MiniLM-L6-v2: 256).",
-        low=2, high=512)
+    intra_op_threads: int = _spec(0, "ONNX Runtime intra-op threads (torch on the CPU: its threads); 0: every core.",
+                                  low=0, high=1024)
+    inter_op_threads: int = _spec(1, "ONNX Runtime inter-op threads.", low=0, high=1024)
+    thread_spinning: bool = _spec(
+        True, "ONNX Runtime's threads spin-wait for work between operators and passes (its default); `false` "
+        "yields the cores to other processes.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerOptions:
+    """How the rows of one dispatch are cut into forward passes (every task)."""
+
+    TASKS: ClassVar[tuple[str, ...] | None] = None
+
     max_batch_rows: int = _spec(64, "Most rows in one forward pass.", low=1, high=65536)
     max_batch_tokens: int = _spec(
-        8192, "Most padded tokens (rows x padded length) in one forward pass; bounds activation memory.",
-        low=2, high=16_777_216)
+        8192, "Most padded positions (rows x padded length) in one forward pass; bounds activation memory.",
+        low=1, high=16_777_216)
     planner: str = _spec(
         "dp", "How rows are cut into passes: `dp` picks the cuts of least predicted time under the cost "
         "model; `greedy` fills passes in length order up to the limits and `max_padding_ratio`.",
         choices=PLANNER_CHOICES)
     cost_model: str = _spec(
         "auto", "Predicted seconds of a pass, `a,b,c` in a + b*rows*len + c*rows*len^2; `auto` times the "
-        "runtime at load and fits it.")
+        "runtime at load and logs the fit, which can be pasted here to skip calibration.")
     max_padding_ratio: float = _spec(
-        1.25, "Greedy planner only: most padded over real tokens in one pass; a longer row starts a new pass.",
+        1.25, "Greedy planner only: most padded over real positions in one pass; a longer row starts a new pass.",
         low=1.0, high=1000.0)
-    intra_op_threads: int = _spec(0, "ONNX Runtime intra-op threads; 0 lets ONNX Runtime use every core.",
-                                  low=0, high=1024)
-    inter_op_threads: int = _spec(1, "ONNX Runtime inter-op threads.", low=0, high=1024)
-    thread_spinning: bool = _spec(
-        True, "ONNX Runtime's intra-op threads spin-wait for work between operators and passes (its default).")
-    max_text_bytes: int = _spec(
-        1_048_576, "Largest accepted text in bytes; a larger one is rejected with INVALID_ARG.",
-        low=1, high=1 << 30)
+
+    @property
+    def cost_coefficients(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` of a fixed cost model, or None for ``auto``."""
+        return None if self.cost_model == "auto" else parse_cost_model(self.cost_model)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """The row cache: in process and shared through Redis (every task)."""
+
+    TASKS: ClassVar[tuple[str, ...] | None] = None
+
     cache_bytes: int = _spec(
-        0, "Bytes of the in-process row cache (vectors, keys and bookkeeping; LRU eviction); 0 disables it.",
+        0, "Bytes of the in-process row cache (outputs, keys and bookkeeping; LRU eviction); 0 disables it.",
         low=0, high=1 << 40)
     cache_ttl_s: float = _spec(0.0, "Seconds a cached row stays valid (in process and in Redis); 0: until evicted.",
                                low=0.0, high=1e9)
@@ -97,6 +182,19 @@ class Settings:
         2.0, "After a Redis error, seconds the model serves without Redis before trying it again.",
         low=0.0, high=3600.0)
     redis_key_prefix: str = _spec("coalesce:", "Prefix of every key this model writes to Redis.")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any tier is on (in process or shared)."""
+        return self.cache_bytes > 0 or bool(self.redis_url)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOptions:
+    """Who forms batches, and the adaptive scheduler's targets (every task)."""
+
+    TASKS: ClassVar[tuple[str, ...] | None] = None
+
     scheduling: str = _spec(
         "triton", "Who forms batches: `triton` runs each batch Triton's dynamic batcher hands over; `adaptive` "
         "queues every request in the backend and dispatches by deadline and the learned cost model (set "
@@ -117,108 +215,212 @@ class Settings:
     default_priority: int = _spec(
         1, "Adaptive: priority level of requests that set none (Triton's convention: 1 is the highest).",
         low=1, high=1_000_000)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Parsed ``tenant_weights``."""
+        return parse_tenant_map(self.tenant_weights, what="tenant_weights")
+
+    @property
+    def rate_limits(self) -> dict[str, float]:
+        """Parsed ``tenant_max_rows_per_s``."""
+        return parse_tenant_map(self.tenant_max_rows_per_s, what="tenant_max_rows_per_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsOptions:
+    """How the backend's metrics reach Triton's metrics port (every task)."""
+
+    TASKS: ClassVar[tuple[str, ...] | None] = None
+
     metrics_interval_ms: float = _spec(
         100.0, "Milliseconds between sends of the backend's metrics to Triton's metrics port. Metrics are "
         "recorded in process and sent by a background thread (each send is a round trip to the server "
-        "process); scrapes lag by up to this much. Short intervals spread the sends out (at 1000 ms the "
-        "burst of sends each second showed in the adaptive scheduler's p99).", low=10.0, high=60_000.0)
-    pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls`.",
-                         choices=POOLING_CHOICES)
-    normalize: bool = _spec(True, "L2-normalise each embedding.")
+        "process); scrapes lag by up to this much.", low=10.0, high=60_000.0)
 
-    # Derived from the rest of the model config, not from `parameters`.
-    model_name: str = dataclasses.field(default="model", metadata={"derived": True})
-    max_batch_size: int = dataclasses.field(default=0, metadata={"derived": True})
-    embedding_dim: int = dataclasses.field(default=384, metadata={"derived": True})
 
-    @property
-    def caches_rows(self) -> bool:
-        """Whether any row-cache tier is on (in process or shared)."""
-        return self.cache_bytes > 0 or bool(self.redis_url)
+#: Components in the order ``coalesce settings`` lists them: (attribute of ``ModelSettings``, options class).
+COMPONENTS: Final[tuple[tuple[str, type], ...]] = (
+    ("task", TaskOptions), ("text", TextOptions), ("embedding", EmbeddingOptions), ("classify", ClassifyOptions),
+    ("tensor", TensorOptions), ("runtime", RuntimeOptions), ("planner", PlannerOptions), ("cache", CacheOptions),
+    ("scheduler", SchedulerOptions), ("metrics", MetricsOptions))
 
-    @classmethod
-    def parameter_fields(cls) -> list[dataclasses.Field[Any]]:
-        """The fields a user may set under ``parameters``, in declaration order."""
-        return [f for f in dataclasses.fields(cls) if not f.metadata.get("derived")]
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """Validated settings of one model: its name, row limit and one options object per component."""
+
+    model_name: str = "model"
+    max_batch_size: int = 0
+    task: TaskOptions = dataclasses.field(default_factory=TaskOptions)
+    text: TextOptions = dataclasses.field(default_factory=TextOptions)
+    embedding: EmbeddingOptions = dataclasses.field(default_factory=EmbeddingOptions)
+    classify: ClassifyOptions = dataclasses.field(default_factory=ClassifyOptions)
+    tensor: TensorOptions = dataclasses.field(default_factory=TensorOptions)
+    runtime: RuntimeOptions = dataclasses.field(default_factory=RuntimeOptions)
+    planner: PlannerOptions = dataclasses.field(default_factory=PlannerOptions)
+    cache: CacheOptions = dataclasses.field(default_factory=CacheOptions)
+    scheduler: SchedulerOptions = dataclasses.field(default_factory=SchedulerOptions)
+    metrics: MetricsOptions = dataclasses.field(default_factory=MetricsOptions)
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str], *, model_name: str = "model",
-                        **derived: Any) -> Settings:
+                        max_batch_size: int = 0) -> ModelSettings:
         """Build settings from plain ``key -> string`` parameters.
 
-        Args:
-            parameters: Parameter values as strings, as Triton stores them.
-            model_name: Name used in error messages.
-            **derived: Values taken from the rest of the model config.
-
         Raises:
-            ConfigError: On an unknown key, a value of the wrong type or out of bounds,
-                or inconsistent settings; the message names model, key and value.
+            SettingsError: On an unknown key, a key of another task's options, a value of the wrong
+                type or out of bounds, or inconsistent settings; the message names model, key and value.
         """
-        fields = {f.name: f for f in cls.parameter_fields()}
-        values: dict[str, Any] = {}
+        where = f"model '{model_name}'"
+        owners = {f.name: (attr, options) for attr, options in COMPONENTS for f in parameter_fields(options)}
+        raw_task = parameters.get("task", str(_field(TaskOptions, "task").default))
+        task = _convert(where, _field(TaskOptions, "task"), raw_task)
+        values: dict[str, dict[str, Any]] = {attr: {} for attr, _ in COMPONENTS}
+        pad_values: dict[str, float] = {}
         for key, raw in parameters.items():
-            field = fields.get(key)
-            if field is None:
-                raise ConfigError(
-                    f"model '{model_name}': unknown parameter '{key}' (value '{raw}'); "
-                    f"known parameters: {', '.join(sorted(fields))}")
-            values[key] = _convert(model_name, field, raw)
-        settings = cls(model_name=model_name, **values, **derived)
+            if key.startswith(PAD_VALUE_PREFIX) and key != PAD_VALUE_PREFIX:
+                _check_task(where, key, raw, TensorOptions, task)
+                pad_values[key[len(PAD_VALUE_PREFIX):]] = _number(where, key, raw)
+                continue
+            owner = owners.get(key)
+            if owner is None:
+                raise SettingsError(
+                    f"{where}: unknown parameter '{key}' (value '{raw}'); known parameters: "
+                    f"{', '.join(sorted(owners))}, {PAD_VALUE_PREFIX}<input>")
+            attr, options = owner
+            _check_task(where, key, raw, options, task)
+            values[attr][key] = _convert(where, _field(options, key), raw)
+        if pad_values:
+            values["tensor"]["pad_values"] = pad_values
+        settings = cls(model_name=model_name, max_batch_size=max_batch_size,
+                       **{attr: options(**values[attr]) for attr, options in COMPONENTS})
         settings._check_consistency()
         return settings
 
     @classmethod
-    def from_model_config(cls, config: Mapping[str, Any]) -> Settings:
+    def from_model_config(cls, config: Mapping[str, Any]) -> ModelSettings:
         """Build settings from a Triton model config (the JSON form of ``config.pbtxt``).
 
-        Checks the declared inputs and outputs against the task's contract too.
-
         Raises:
-            ConfigError: On any invalid parameter or a config that breaks the contract.
+            SettingsError: On any invalid parameter.
         """
-        name = str(config.get("name", "model"))
-        raw_params = config.get("parameters") or {}
-        parameters: dict[str, str] = {}
-        for key, value in raw_params.items():
-            # Triton's JSON form wraps each value as {"string_value": "..."}.
-            parameters[key] = str(value.get("string_value", "")) if isinstance(value, Mapping) else str(value)
-        embedding_dim = _check_io(name, config)
-        return cls.from_parameters(
-            parameters, model_name=name, max_batch_size=int(config.get("max_batch_size", 0)),
-            embedding_dim=embedding_dim)
+        return cls.from_parameters(config_parameters(config), model_name=str(config.get("name", "model")),
+                                   max_batch_size=int(config.get("max_batch_size", 0) or 0))
+
+    def changed(self) -> dict[str, Any]:
+        """The parameters set to something other than their default, for the load log."""
+        out: dict[str, Any] = {}
+        for attr, options in COMPONENTS:
+            current = getattr(self, attr)
+            for f in dataclasses.fields(options):
+                value = getattr(current, f.name)
+                if f.default is not dataclasses.MISSING:
+                    default = f.default
+                else:
+                    default = f.default_factory() if callable(f.default_factory) else None
+                if value != default:
+                    out[f.name] = value
+        return out
 
     def _check_consistency(self) -> None:
-        if self.cost_model != "auto":
-            from coalesce.costmodel import CostModel
-
-            try:
-                CostModel.parse(self.cost_model)
-            except ConfigError:
-                raise ConfigError(f"model '{self.model_name}': parameter 'cost_model' has bad value "
-                                  f"'{self.cost_model}': expected 'auto' or three non-negative numbers "
-                                  "'a,b,c' (seconds)") from None
-        if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
-            raise ConfigError(f"model '{self.model_name}': parameter 'redis_url' has bad value '{self.redis_url}': "
-                              f"expected a URL starting with {', '.join(REDIS_SCHEMES)}")
-        from coalesce.scheduler import parse_tenant_map
-
+        where = f"model '{self.model_name}'"
+        planner, cache = self.planner, self.cache
+        try:
+            planner.cost_coefficients  # noqa: B018 - parses it
+        except ValueError:
+            raise SettingsError(f"{where}: parameter 'cost_model' has bad value '{planner.cost_model}': expected "
+                                "'auto' or three non-negative numbers 'a,b,c' (seconds)") from None
+        if cache.redis_url and not cache.redis_url.startswith(REDIS_SCHEMES):
+            raise SettingsError(f"{where}: parameter 'redis_url' has bad value '{cache.redis_url}': "
+                                f"expected a URL starting with {', '.join(REDIS_SCHEMES)}")
         for key in ("tenant_weights", "tenant_max_rows_per_s"):
             try:
-                parse_tenant_map(getattr(self, key), what=key)
+                parse_tenant_map(getattr(self.scheduler, key), what=key)
             except ValueError as exc:
-                raise ConfigError(f"model '{self.model_name}': parameter '{key}' has bad value "
-                                  f"'{getattr(self, key)}': {exc}") from None
-        if self.max_batch_tokens < self.max_sequence_length:
-            raise ConfigError(
-                f"model '{self.model_name}': parameter 'max_batch_tokens' (value '{self.max_batch_tokens}') "
-                f"is below 'max_sequence_length' ({self.max_sequence_length}): a single long text "
-                "could never be scheduled")
+                raise SettingsError(f"{where}: parameter '{key}' has bad value "
+                                    f"'{getattr(self.scheduler, key)}': {exc}") from None
+        if self.task.task != "tensor" and planner.max_batch_tokens < self.task.max_sequence_length:
+            raise SettingsError(
+                f"{where}: parameter 'max_batch_tokens' (value '{planner.max_batch_tokens}') is below "
+                f"'max_sequence_length' ({self.task.max_sequence_length}): a single long text could never be "
+                "scheduled")
 
 
-def _convert(model_name: str, field: dataclasses.Field[Any], raw: str) -> Any:
-    def fail(why: str) -> ConfigError:
-        return ConfigError(f"model '{model_name}': parameter '{field.name}' has bad value '{raw}': {why}")
+def parameter_fields(options: type) -> list[dataclasses.Field[Any]]:
+    """The fields of an options class a user sets under ``parameters``, in declaration order."""
+    return [f for f in dataclasses.fields(options) if not f.metadata.get("dynamic")]
+
+
+def config_parameters(config: Mapping[str, Any]) -> dict[str, str]:
+    """``parameters`` of a model config (JSON form) as plain strings.
+
+    Triton's JSON form wraps each value as ``{"string_value": "..."}``.
+    """
+    raw = config.get("parameters") or {}
+    return {key: str(value.get("string_value", "")) if isinstance(value, Mapping) else str(value)
+            for key, value in raw.items()}
+
+
+def parse_cost_model(text: str) -> tuple[float, float, float]:
+    """``"a,b,c"`` (seconds) as three non-negative floats.
+
+    Raises:
+        ValueError: If it is not three non-negative finite numbers.
+    """
+    try:
+        values = [float(p) for p in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ValueError(f"cost model '{text}' is not three non-negative numbers 'a,b,c' (seconds)")
+    return values[0], values[1], values[2]
+
+
+def parse_tenant_map(text: str, *, what: str) -> dict[str, float]:
+    """Parse ``"name:value,name:value"`` into a mapping of positive numbers.
+
+    Raises:
+        ValueError: On a malformed entry or a value that is not a positive number; the
+            message names ``what`` and the entry.
+    """
+    out: dict[str, float] = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, sep, value = entry.rpartition(":")
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not sep or not name or not math.isfinite(number) or number <= 0:
+            raise ValueError(f"{what} entry '{entry}' is not 'tenant:positive number'")
+        out[name.strip()] = number
+    return out
+
+
+def _field(options: type, name: str) -> dataclasses.Field[Any]:
+    return next(f for f in dataclasses.fields(options) if f.name == name)
+
+
+def _check_task(where: str, key: str, raw: str, options: type, task: str) -> None:
+    tasks = options.TASKS  # type: ignore[attr-defined]
+    if tasks is not None and task not in tasks:
+        raise SettingsError(f"{where}: parameter '{key}' (value '{raw}') applies to task "
+                            f"{' and '.join(tasks)}, but this model's task is '{task}'")
+
+
+def _number(where: str, key: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise SettingsError(f"{where}: parameter '{key}' has bad value '{raw}': expected a number")
+    return value
+
+
+def _convert(where: str, field: dataclasses.Field[Any], raw: str) -> Any:
+    def fail(why: str) -> SettingsError:
+        return SettingsError(f"{where}: parameter '{field.name}' has bad value '{raw}': {why}")
 
     text = raw.strip()
     kind = field.type if isinstance(field.type, str) else field.type.__name__
@@ -240,6 +442,8 @@ def _convert(model_name: str, field: dataclasses.Field[Any], raw: str) -> Any:
         value = converter(text)
     except ValueError:
         raise fail(f"expected {'an integer' if kind == 'int' else 'a number'}") from None
+    if kind == "float" and not math.isfinite(float(value)):
+        raise fail("expected a finite number")
     meta = field.metadata
     if meta["choices"] is not None and value not in meta["choices"]:
         raise fail(f"expected one of {', '.join(meta['choices'])}")
@@ -250,37 +454,3 @@ def _convert(model_name: str, field: dataclasses.Field[Any], raw: str) -> Any:
     if meta["high"] is not None and value > meta["high"]:
         raise fail(f"must be <= {meta['high']:g}")
     return value
-
-
-def _only_tensor(model_name: str, config: Mapping[str, Any], kind: str, name: str,
-                 data_type: str) -> Mapping[str, Any]:
-    """The single ``kind`` ("input"/"output") tensor ``name`` of the config, with its data type checked."""
-    tensors = {t.get("name"): t for t in config.get(kind, [])}
-    tensor = tensors.get(name)
-    if tensor is None or len(tensors) != 1:
-        raise ConfigError(f"model '{model_name}': expected exactly one {kind} '{name}', "
-                          f"found {sorted(k for k in tensors if k)}")
-    if tensor.get("data_type") != data_type:
-        raise ConfigError(f"model '{model_name}': {kind} '{name}' has data_type "
-                          f"'{tensor.get('data_type')}', expected '{data_type}'")
-    return tensor
-
-
-def _check_io(model_name: str, config: Mapping[str, Any]) -> int:
-    """Check inputs/outputs against the embedding contract; return the embedding width."""
-    text = _only_tensor(model_name, config, "input", contract.INPUT_TEXT, contract.INPUT_TEXT_DATATYPE)
-    if tuple(int(d) for d in text.get("dims", [])) != contract.INPUT_TEXT_DIMS:
-        raise ConfigError(
-            f"model '{model_name}': input '{contract.INPUT_TEXT}' has dims {text.get('dims')}, "
-            f"expected {list(contract.INPUT_TEXT_DIMS)}")
-    emb = _only_tensor(model_name, config, "output", contract.OUTPUT_EMBEDDING, contract.OUTPUT_EMBEDDING_DATATYPE)
-    dims = [int(d) for d in emb.get("dims", [])]
-    if len(dims) != 1 or dims[0] <= 0:
-        raise ConfigError(
-            f"model '{model_name}': output '{contract.OUTPUT_EMBEDDING}' has dims {dims}, "
-            "expected one positive width such as [384]")
-    if int(config.get("max_batch_size", 0)) <= 0:
-        raise ConfigError(
-            f"model '{model_name}': max_batch_size is {config.get('max_batch_size', 0)}; "
-            "the coalesce backend needs batching (max_batch_size >= 1)")
-    return dims[0]

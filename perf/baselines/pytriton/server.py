@@ -30,7 +30,7 @@ from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
 from tokenizers import Tokenizer
 
-from coalesce.launcher import library_path
+from coalesce_tools.launcher import library_path
 
 MODEL_NAME = "pytriton"
 

@@ -1,0 +1,1 @@
+"""The row cache: keys, the in-process tier and the shared Redis tier."""

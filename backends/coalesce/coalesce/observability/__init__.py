@@ -1,0 +1,1 @@
+"""Metrics and logging of the backend."""

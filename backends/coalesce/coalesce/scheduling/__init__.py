@@ -1,0 +1,1 @@
+"""Adaptive scheduling: the pure policy and the thread that drives it."""

@@ -1,0 +1,1 @@
+"""The ``classify`` task: texts or text pairs to scores (classifiers, cross-encoder rerankers)."""

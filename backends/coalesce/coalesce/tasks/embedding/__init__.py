@@ -1,0 +1,1 @@
+"""The ``embedding`` task: texts to pooled, optionally normalised vectors."""

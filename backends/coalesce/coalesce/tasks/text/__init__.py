@@ -1,0 +1,1 @@
+"""What the text tasks share: reading UTF-8 rows and tokenising them."""

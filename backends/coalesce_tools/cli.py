@@ -1,0 +1,154 @@
+"""The ``coalesce`` command: ``serve``, ``prepare``, ``export``, ``settings``, ``tune`` and ``build-engine``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from coalesce_tools.launcher import (
+    LaunchError,
+    RedisServer,
+    ServerOptions,
+    TritonServer,
+    options_from_env,
+    start_local_redis,
+)
+
+SAMPLE_TEXT = "Coalesce turns dynamic batches into few forward passes."
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        options = options_from_env(args.model_repository, explicit=True if args.explicit else None,
+                                   load_models=args.load_model or ())
+        server = TritonServer(options, echo=None if args.quiet else sys.stderr)
+    except LaunchError as exc:
+        sys.stderr.write(f"coalesce serve: {exc}\n")
+        return 2
+    try:
+        redis_servers = start_local_redis(options.model_repository)
+    except LaunchError as exc:
+        sys.stderr.write(f"coalesce serve: {exc}\n")
+        return 1
+    try:
+        return _run(server, options, redis_servers)
+    finally:
+        for redis in redis_servers:
+            redis.stop()
+
+
+def _run(server: TritonServer, options: ServerOptions, redis_servers: list[RedisServer]) -> int:
+    for redis in redis_servers:
+        sys.stderr.write(f"coalesce serve: started redis-server on {redis.url} for the shared row cache\n")
+    sys.stderr.write(f"coalesce serve: starting {server.install.origin} on {options.model_repository} "
+                     f"(model control: {options.model_control})\n")
+    try:
+        server.start()
+    except LaunchError as exc:
+        sys.stderr.write(f"coalesce serve: {exc}\n")
+        return 1
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        server.send_signal(signal.SIGINT)  # Triton's graceful shutdown either way
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    http, grpc = server.http_url, server.grpc_url
+    models = _models(options.model_repository)
+    listing = "".join(f"  {name:<16} task {task}\n" for name, task in models)
+    text_model = next((name for name, task in models if task in ("embedding", "classify")), None)
+    example = (
+        "Try:\n"
+        f"  curl -s -X POST http://{http}/v2/models/{text_model}/infer -H 'Content-Type: application/json' \\\n"
+        f"    -d '{{\"inputs\":[{{\"name\":\"TEXT\",\"datatype\":\"BYTES\",\"shape\":[1,1],"
+        f"\"data\":[\"{SAMPLE_TEXT}\"]}}]}}'\n\n") if text_model else ""
+    sys.stdout.write(
+        f"\nTriton is ready.\n"
+        f"  HTTP     http://{http}\n  gRPC     {grpc}\n  metrics  {server.metrics_url}\n\n"
+        f"Coalesce models:\n{listing}\n{example}"
+        "Ctrl-C stops the server.\n")
+    sys.stdout.flush()
+    code = server.wait()
+    server.stop()
+    sys.stderr.write(f"coalesce serve: tritonserver exited with code {code}\n")
+    # A clean shutdown on our signal is success; anything else is the server's own code.
+    return 0 if code in (0, -signal.SIGINT) else code
+
+
+def _models(repository: Path) -> list[tuple[str, str]]:
+    """(name, task) of each coalesce model of the repository."""
+    from coalesce_tools.config import ConfigReadError, coalesce_models, parameter
+
+    try:
+        return [(config.get("name") or path.name, parameter(config, "task", "embedding"))
+                for path, config in coalesce_models(repository)]
+    except ConfigReadError:
+        return []
+
+
+def _settings(args: argparse.Namespace) -> int:
+    from coalesce.settings import COMPONENTS, PAD_VALUE_PREFIX, parameter_fields
+
+    sys.stdout.write("parameter\tdefault\tcomponent\ttasks\tmeaning\n")
+    for attr, options in COMPONENTS:
+        applies = getattr(options, "TASKS", None)
+        tasks = ",".join(applies) if applies else "all"
+        for field in parameter_fields(options):
+            sys.stdout.write(f"{field.name}\t{field.default}\t{attr}\t{tasks}\t{field.metadata['doc']}\n")
+        if attr == "tensor":
+            sys.stdout.write(f"{PAD_VALUE_PREFIX}<input>\t0\ttensor\ttensor\tValue the variable dims of "
+                             "<input> are padded with.\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``coalesce`` console script."""
+    parser = argparse.ArgumentParser(prog="coalesce", description="Coalesce: dynamic batching that pays off.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start tritonserver on a model repository with the coalesce backend",
+                           description="Ports come from HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002); "
+                                       "MODEL_CONTROL=explicit (or --explicit) enables the repository API.")
+    serve.add_argument("--model-repository", type=Path, default=Path("model_repository"))
+    serve.add_argument("--explicit", action="store_true", help="explicit model control (load/unload over the API)")
+    serve.add_argument("--load-model", action="append", help="model to load at start in explicit mode (repeatable)")
+    serve.add_argument("--quiet", action="store_true", help="do not echo the server log")
+    serve.set_defaults(func=_serve)
+    export = sub.add_parser("export", help="export a Hugging Face folder (or an example model's recipe) to ONNX",
+                            add_help=False)
+    export.set_defaults(func=None)
+    prepare = sub.add_parser("prepare", help="build what a repository's models need (recipes), check the rest",
+                             add_help=False)
+    prepare.set_defaults(func=None)
+    settings = sub.add_parser("settings", help="list the backend's config.pbtxt parameters")
+    settings.set_defaults(func=_settings)
+    tune = sub.add_parser("tune", help="sweep batching settings with perf_analyzer and pick a config", add_help=False)
+    tune.set_defaults(func=None)
+    engine = sub.add_parser("build-engine", help="build a TensorRT plan with profiles from the model config",
+                            add_help=False)
+    engine.set_defaults(func=None)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "export":
+        from coalesce_tools.export import main as export_main
+
+        return export_main(argv[1:])
+    if argv and argv[0] == "prepare":
+        from coalesce_tools.export import prepare_main
+
+        return prepare_main(argv[1:])
+    if argv and argv[0] == "build-engine":
+        from coalesce_tools.engine import main as engine_main
+
+        return engine_main(argv[1:])
+    if argv and argv[0] == "tune":
+        from coalesce_tools.tune import main as tune_main
+
+        return tune_main(argv[1:])
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

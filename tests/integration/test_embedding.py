@@ -1,0 +1,182 @@
+"""The embedding task on a real tritonserver, over HTTP and gRPC: the shipped ``minilm`` model."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from coalesce_client import EmbeddingClient
+from coalesce_client.client import encode_texts
+from coalesce_client.load import model_counts, run_load, sample_texts
+from tests.conftest import TRICKY_TEXTS
+from tests.integration.conftest import WIDE_BATCH, WIDE_MODEL
+from tests.integration.test_cache import settled_metric
+
+PROTOCOLS = ("http", "grpc")
+
+
+def raw_infer(server, protocol, inputs_spec, model="minilm"):
+    """Send exactly the given inputs: [(name, numpy array, datatype)]; return EMBEDDING."""
+    tc = httpclient if protocol == "http" else grpcclient
+    client = tc.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
+    try:
+        inputs = []
+        for name, array, datatype in inputs_spec:
+            item = tc.InferInput(name, list(array.shape), datatype)
+            item.set_data_from_numpy(array)
+            inputs.append(item)
+        result = client.infer(model, inputs, outputs=[tc.InferRequestedOutput("EMBEDDING")])
+        return result.as_numpy("EMBEDDING")
+    finally:
+        client.close()
+
+
+def embed_raw(server, protocol, texts, model="minilm"):
+    return raw_infer(server, protocol, [("TEXT", encode_texts(texts), "BYTES")], model=model)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_vectors_are_unchanged_from_the_recorded_export(server, protocol):
+    """The task interface did not change a vector: the served vectors against those recorded before it.
+
+    ``tests/fixtures/minilm_reference.json`` holds the vectors the embedding-only pipeline
+    served (at 244dd6f) for a fixed text set, one text per pass.
+    """
+    recorded = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "minilm_reference.json").read_text())
+    got = embed_raw(server, protocol, recorded["texts"])
+    cosine = (got * np.asarray(recorded["vectors"], dtype=np.float32)).sum(axis=1)
+    assert cosine.min() >= 0.9999, dict(zip(recorded["texts"], cosine.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_matches_sentence_transformers(server, protocol, reference_model):
+    got = embed_raw(server, protocol, TRICKY_TEXTS)
+    want = reference_model.encode(TRICKY_TEXTS, normalize_embeddings=True)
+    assert got.shape == (len(TRICKY_TEXTS), 384) and got.dtype == np.float32
+    cosine = (got * want).sum(axis=1)
+    assert cosine.min() >= 0.999, dict(zip(TRICKY_TEXTS, cosine.tolist(), strict=True))
+
+
+def test_one_request_of_many_equals_many_requests_of_one(server):
+    texts = sample_texts(40, seed=3) + TRICKY_TEXTS
+    together = embed_raw(server, "grpc", texts)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        apart = list(pool.map(lambda t: embed_raw(server, "grpc", [t])[0], texts))
+    cosine = (together * np.stack(apart)).sum(axis=1)
+    assert cosine.min() >= 0.99999
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(("case", "fragment"), [
+    ("wrong_dtype", "data-type is 'FP32', but model 'minilm' expects 'BYTES'"),
+    ("unknown_input", "unexpected inference input 'PROMPT'"),
+    ("over_max_batch", "batch-size must be <= 64"),
+    ("non_utf8", "input 'TEXT' row 1 is not valid UTF-8: byte 0xff at offset 3"),
+    # Triton refuses an empty batch itself, before the backend sees it (the backend's own refusal,
+    # "input 'TEXT' has no rows", is unit-tested).
+    ("empty", "expected 1 string elements for inference input 'TEXT' for model 'minilm', got 0"),
+])
+def test_bad_inputs_get_clear_errors(server, protocol, case, fragment):
+    specs = {
+        "wrong_dtype": [("TEXT", np.ones((1, 1), dtype=np.float32), "FP32")],
+        "unknown_input": [("PROMPT", encode_texts(["hi"]), "BYTES")],
+        "over_max_batch": [("TEXT", encode_texts(["hi"] * 65), "BYTES")],
+        "non_utf8": [("TEXT", encode_texts([b"fine", b"bad\xff"]), "BYTES")],
+        "empty": [("TEXT", np.empty((0, 1), dtype=np.object_), "BYTES")],
+    }
+    with pytest.raises(InferenceServerException) as info:
+        raw_infer(server, protocol, specs[case])
+    assert fragment in info.value.message()
+    if case == "non_utf8":
+        status = str(info.value.status())
+        assert status in ("400", "StatusCode.INVALID_ARGUMENT"), status
+    # The server is still healthy after every bad input.
+    assert embed_raw(server, protocol, ["still alive"]).shape == (1, 384)
+
+
+def test_bad_request_in_a_batch_does_not_fail_its_neighbours(server, reference_model):
+    """Six requests reach one execute() (the wide model waits for exactly six); one is bad."""
+    texts = [f"neighbour number {i}" for i in range(WIDE_BATCH)]
+    payloads = [[t.encode()] for t in texts]
+    payloads[2] = [b"\xc3\x28 invalid"]  # one row, so the six requests are exactly six rows
+    before = model_counts(server.grpc_url, WIDE_MODEL)
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(WIDE_BATCH)
+
+    def send(i):
+        barrier.wait()
+        try:
+            results[i] = embed_raw(server, "grpc", payloads[i], model=WIDE_MODEL)
+        except InferenceServerException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(WIDE_BATCH)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    deadline = time.monotonic() + 5
+    while ((after := model_counts(server.grpc_url, WIDE_MODEL))[0] < before[0] + WIDE_BATCH
+           and time.monotonic() < deadline):
+        time.sleep(0.05)  # statistics land just after the responses
+    assert after[1] - before[1] == 1, "all six requests should have shared one execute()"
+    assert isinstance(results[2], InferenceServerException)
+    assert "row 0 is not valid UTF-8: byte 0xc3" in results[2].message()
+    want = reference_model.encode(texts, normalize_embeddings=True)
+    for i in set(range(WIDE_BATCH)) - {2}:
+        assert isinstance(results[i], np.ndarray), results[i]
+        assert float(results[i][0] @ want[i]) >= 0.999
+
+
+def test_concurrent_load_is_batched(server, capsys):
+    with EmbeddingClient(server.grpc_url, protocol="grpc") as client:
+        report = run_load(client, stats_url=server.grpc_url, requests=256, concurrency=32)
+    assert report.inference_count == 256
+    # Triton's dynamic batcher must have merged requests: far fewer executions than inferences.
+    assert report.execution_count <= report.inference_count / 4, report
+    with capsys.disabled():
+        print(f"\nconcurrent load (gRPC, 256 requests x 1 text, concurrency 32): {json.dumps(report.as_dict())}")
+
+
+def test_metrics_are_exported(server):
+    embed_raw(server, "http", ["count me", "and me"])
+    settled_metric(server, "coalesce_stage_seconds_count", "minilm", lambda v: v >= 6)  # sent every 100 ms
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    labels = 'model="minilm",version="1"'
+    for family in ("coalesce_rows_total", "coalesce_forward_passes_total", "coalesce_real_tokens_total",
+                   "coalesce_padded_tokens_total", "coalesce_padding_ratio_count", "coalesce_executions_total"):
+        lines = [line for line in text.splitlines() if line.startswith(family + "{") and labels in line]
+        assert lines, f"{family} with {labels} missing"
+        assert float(lines[0].rsplit(" ", 1)[1]) > 0
+    stages = {}
+    for labelled, value in re.findall(r"^coalesce_stage_seconds_count\{([^}]*)\} (\S+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', labelled))
+        if found.get("model") == "minilm" and found.get("version") == "1":
+            stages[found["stage"]] = float(value)
+    assert set(stages) == {"read", "prepare", "plan", "infer", "split", "scatter"}, stages
+    assert all(count > 0 for count in stages.values()), stages
+
+
+def test_readme_curl_body_works(server):
+    body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [2, 1],
+                        "data": ["Coalesce turns dynamic batches into few forward passes.", "日本語"]}]}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/minilm/infer",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer = json.loads(response.read())
+    (output,) = answer["outputs"]
+    assert output["name"] == "EMBEDDING" and output["shape"] == [2, 384]
+    vector = np.asarray(output["data"][:384])
+    assert abs(np.linalg.norm(vector) - 1.0) < 1e-4
