@@ -12,7 +12,7 @@ TUNE_ARGS ?=
 EVAL_ARGS ?=
 TUNE_PROFILE ?= queries
 
-.PHONY: setup serve test unit integration lint lock clean bench bench-shared eval-adaptive load tune
+.PHONY: setup serve test unit integration lint lock clean bench bench-shared bench-neighbours eval-adaptive load tune
 
 setup:                 ## venv, pinned packages, OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -31,6 +31,10 @@ bench:                 ## perf_analyzer: coalesce vs naive side by side, offline
 bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.shared_cache $(BENCH_ARGS)
+
+bench-neighbours:      ## one model at 2x capacity beside light ones, by isolation variant; writes perf/results/neighbours-*
+	@bash scripts/setup.sh --bench
+	$(BIN)/python -m perf.neighbours $(BENCH_ARGS)
 
 eval-adaptive:         ## adaptive scheduling vs the best static config coalesce tune finds for the same p99 (EVAL_ARGS); writes perf/results/adaptive-*
 	@bash scripts/setup.sh --bench

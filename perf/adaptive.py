@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def locust(server: TritonServer, profile: str, system: str, shape: str, rate: float, load: float | None,
                tenants: str = "") -> None:
-        prefix = args.out / args.run / f"{profile}-{shape}-{load if load is not None else ''}{system}"
+        prefix = args.out / "raw" / args.run / f"{profile}-{shape}-{load if load is not None else ''}{system}"
         extra = ["--target-ms", str(targets[profile]), "--allow-rejections", "--texts", str(args.count)]
         if tenants:
             extra += ["--tenants", tenants]
