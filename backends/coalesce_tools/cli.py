@@ -89,18 +89,34 @@ def _models(repository: Path) -> list[tuple[str, str]]:
         return []
 
 
-def _settings(args: argparse.Namespace) -> int:
+def settings_rows() -> list[tuple[str, str, str, str, str]]:
+    """(parameter, default, component, tasks, meaning) of every ``config.pbtxt`` parameter, in declaration order."""
     from coalesce.settings import COMPONENTS, PAD_VALUE_PREFIX, parameter_fields
 
-    sys.stdout.write("parameter\tdefault\tcomponent\ttasks\tmeaning\n")
+    rows = []
     for attr, options in COMPONENTS:
         applies = getattr(options, "TASKS", None)
-        tasks = ",".join(applies) if applies else "all"
+        tasks = ", ".join(applies) if applies else "all"
         for field in parameter_fields(options):
-            sys.stdout.write(f"{field.name}\t{field.default}\t{attr}\t{tasks}\t{field.metadata['doc']}\n")
+            default = str(field.default).lower() if isinstance(field.default, bool) else str(field.default)
+            rows.append((field.name, default, attr, tasks, str(field.metadata["doc"])))
         if attr == "tensor":
-            sys.stdout.write(f"{PAD_VALUE_PREFIX}<input>\t0\ttensor\ttensor\tValue the variable dims of "
-                             "<input> are padded with.\n")
+            rows.append((f"{PAD_VALUE_PREFIX}<input>", "0", "tensor", "tensor",
+                         "Value the variable dims of input <input> are padded with (one key per input)."))
+    return rows
+
+
+def _settings(args: argparse.Namespace) -> int:
+    rows = settings_rows()
+    if args.markdown:
+        sys.stdout.write("| parameter | default | component | tasks | meaning |\n| --- | --- | --- | --- | --- |\n")
+        for name, default, component, tasks, doc in rows:
+            shown = f"`{default}`" if default else "(empty)"
+            sys.stdout.write(f"| `{name}` | {shown} | {component} | {tasks} | {doc} |\n")
+        return 0
+    sys.stdout.write("parameter\tdefault\tcomponent\ttasks\tmeaning\n")
+    for row in rows:
+        sys.stdout.write("\t".join(row) + "\n")
     return 0
 
 
@@ -123,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                              add_help=False)
     prepare.set_defaults(func=None)
     settings = sub.add_parser("settings", help="list the backend's config.pbtxt parameters")
+    settings.add_argument("--markdown", action="store_true", help="as the table in backends/coalesce/README.md")
     settings.set_defaults(func=_settings)
     tune = sub.add_parser("tune", help="sweep batching settings with perf_analyzer and pick a config", add_help=False)
     tune.set_defaults(func=None)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import re
-from concurrent.futures import ThreadPoolExecutor
 import shutil
 import subprocess
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -202,6 +203,41 @@ def infer_concurrently(server, protocol: str, model: str, requests: list[list[tu
             return list(pool.map(one, requests))
     finally:
         client.close()
+
+
+def in_one_execute(server, model: str, requests: list[list[tuple[str, np.ndarray, str]]],
+                   outputs: list[str]) -> list[dict[str, np.ndarray] | Exception]:
+    """Send ``requests`` at once to a ``wide`` model (it waits for exactly that many); their answers, in order.
+
+    Asserts that Triton handed them to one ``execute``, so a test can show what one bad
+    request does to its neighbours in the same batch.
+    """
+    from tritonclient.utils import InferenceServerException
+
+    from coalesce_client.load import model_counts
+
+    before = model_counts(server.grpc_url, model)
+    results: list[dict[str, np.ndarray] | Exception | None] = [None] * len(requests)
+    barrier = threading.Barrier(len(requests))
+
+    def send(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = infer(server, "grpc", model, requests[i], outputs)
+        except InferenceServerException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    deadline = time.monotonic() + 5
+    while ((after := model_counts(server.grpc_url, model))[0] < before[0] + len(requests)
+           and time.monotonic() < deadline):
+        time.sleep(0.05)  # statistics land just after the responses
+    assert after[1] - before[1] == 1, f"the {len(requests)} requests should have shared one execute()"
+    return results  # type: ignore[return-value]
 
 
 @pytest.fixture()

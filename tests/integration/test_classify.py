@@ -8,8 +8,6 @@ served scores must equal.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
@@ -17,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 from coalesce_client.client import encode_texts
 from coalesce_client.load import model_counts, sample_texts
 from tests.conftest import TRICKY_TEXTS, built
-from tests.integration.conftest import FIXED_COST, infer, infer_concurrently
+from tests.integration.conftest import FIXED_COST, in_one_execute, infer, infer_concurrently
 
 MODEL = "minilm_rerank"
 PROTOCOLS = ("http", "grpc")
@@ -108,29 +106,12 @@ def test_a_bad_request_in_an_execute_does_not_fail_its_neighbours(server, scratc
     pairs = [(QUERY, f"document number {i}") for i in range(4)]
     requests = [pairs_request([p]) for p in pairs]
     requests[1] = [("TEXT", encode_texts(["q"]), "BYTES"), ("TEXT_PAIR", encode_texts([b"\xc3\x28"]), "BYTES")]
-    before = model_counts(server.grpc_url, "rerank_wide")
-    results: dict[int, object] = {}
-    barrier = threading.Barrier(4)
-
-    def send(i):
-        barrier.wait()
-        try:
-            results[i] = infer(server, "grpc", "rerank_wide", requests[i], ["SCORES"])["SCORES"]
-        except InferenceServerException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    after = model_counts(server.grpc_url, "rerank_wide")
-    assert after[1] - before[1] == 1, "the four requests should have shared one execute()"
+    results = in_one_execute(server, "rerank_wide", requests, ["SCORES"])
     assert isinstance(results[1], InferenceServerException)
     assert "input 'TEXT_PAIR' row 0 is not valid UTF-8" in results[1].message()
     for i in (0, 2, 3):
-        assert isinstance(results[i], np.ndarray), results[i]
-        assert abs(float(results[i][0, 0]) - float(reference([pairs[i]])[0, 0])) <= 1e-4
+        assert isinstance(results[i], dict), results[i]
+        assert abs(float(results[i]["SCORES"][0, 0]) - float(reference([pairs[i]])[0, 0])) <= 1e-4
 
 
 def test_activation_none_serves_the_logits(server, scratch_model, http_client, reference):

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from coalesce_client import EmbeddingClient
 from coalesce_client.client import encode_texts
-from coalesce_client.load import model_counts, run_load, sample_texts
+from coalesce_client.load import run_load, sample_texts
 from tests.conftest import TRICKY_TEXTS
-from tests.integration.conftest import WIDE_BATCH, WIDE_MODEL
+from tests.integration.conftest import WIDE_BATCH, WIDE_MODEL, in_one_execute, infer
 from tests.integration.test_cache import settled_metric
 
 PROTOCOLS = ("http", "grpc")
@@ -28,18 +24,7 @@ PROTOCOLS = ("http", "grpc")
 
 def raw_infer(server, protocol, inputs_spec, model="minilm"):
     """Send exactly the given inputs: [(name, numpy array, datatype)]; return EMBEDDING."""
-    tc = httpclient if protocol == "http" else grpcclient
-    client = tc.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
-    try:
-        inputs = []
-        for name, array, datatype in inputs_spec:
-            item = tc.InferInput(name, list(array.shape), datatype)
-            item.set_data_from_numpy(array)
-            inputs.append(item)
-        result = client.infer(model, inputs, outputs=[tc.InferRequestedOutput("EMBEDDING")])
-        return result.as_numpy("EMBEDDING")
-    finally:
-        client.close()
+    return infer(server, protocol, model, inputs_spec, ["EMBEDDING"])["EMBEDDING"]
 
 
 def embed_raw(server, protocol, texts, model="minilm"):
@@ -110,33 +95,14 @@ def test_bad_request_in_a_batch_does_not_fail_its_neighbours(server, reference_m
     texts = [f"neighbour number {i}" for i in range(WIDE_BATCH)]
     payloads = [[t.encode()] for t in texts]
     payloads[2] = [b"\xc3\x28 invalid"]  # one row, so the six requests are exactly six rows
-    before = model_counts(server.grpc_url, WIDE_MODEL)
-    results: dict[int, object] = {}
-    barrier = threading.Barrier(WIDE_BATCH)
-
-    def send(i):
-        barrier.wait()
-        try:
-            results[i] = embed_raw(server, "grpc", payloads[i], model=WIDE_MODEL)
-        except InferenceServerException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(WIDE_BATCH)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    deadline = time.monotonic() + 5
-    while ((after := model_counts(server.grpc_url, WIDE_MODEL))[0] < before[0] + WIDE_BATCH
-           and time.monotonic() < deadline):
-        time.sleep(0.05)  # statistics land just after the responses
-    assert after[1] - before[1] == 1, "all six requests should have shared one execute()"
+    results = in_one_execute(server, WIDE_MODEL, [[("TEXT", encode_texts(p), "BYTES")] for p in payloads],
+                             ["EMBEDDING"])
     assert isinstance(results[2], InferenceServerException)
     assert "row 0 is not valid UTF-8: byte 0xc3" in results[2].message()
     want = reference_model.encode(texts, normalize_embeddings=True)
     for i in set(range(WIDE_BATCH)) - {2}:
-        assert isinstance(results[i], np.ndarray), results[i]
-        assert float(results[i][0] @ want[i]) >= 0.999
+        assert isinstance(results[i], dict), results[i]
+        assert float(results[i]["EMBEDDING"][0] @ want[i]) >= 0.999
 
 
 def test_concurrent_load_is_batched(server, capsys):

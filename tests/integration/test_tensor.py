@@ -8,8 +8,6 @@ Coalesced results must equal each row run alone with ONNX Runtime directly.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -17,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from coalesce_client.load import model_counts, sample_texts
 from tests.conftest import built
-from tests.integration.conftest import FIXED_COST, infer, infer_concurrently
+from tests.integration.conftest import FIXED_COST, in_one_execute, infer, infer_concurrently
 
 TOKENS = "minilm_tokens"
 DIGITS = "digits"
@@ -38,7 +36,7 @@ def token_rows():
     tokenizer = Tokenizer.from_file(str(built("minilm") / "tokenizer.json"))
     tokenizer.no_padding()
     tokenizer.enable_truncation(max_length=200)
-    texts = sample_texts(40, seed=2) + ["a", "word " * 300]
+    texts = [*sample_texts(40, seed=2), "a", "word " * 300]
     return [np.array(e.ids, dtype=np.int64) for e in tokenizer.encode_batch(texts)]
 
 
@@ -154,24 +152,7 @@ def test_a_bad_request_in_an_execute_does_not_fail_its_neighbours(server, scratc
     requests = [tokens_request([token_rows[i]], send_mask=False) for i in range(4)]
     requests[2] = [("input_ids", np.ones((1, 3), np.int64), "INT64"),
                    ("token_type_ids", np.zeros((1, 7), np.int64), "INT64")]
-    before = model_counts(server.grpc_url, "tokens_wide")
-    results: dict[int, object] = {}
-    barrier = threading.Barrier(4)
-
-    def send(i):
-        barrier.wait()
-        try:
-            results[i] = infer(server, "grpc", "tokens_wide", requests[i], ["last_hidden_state"])
-        except InferenceServerException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    after = model_counts(server.grpc_url, "tokens_wide")
-    assert after[1] - before[1] == 1, "the four requests should have shared one execute()"
+    results = in_one_execute(server, "tokens_wide", requests, ["last_hidden_state"])
     assert isinstance(results[2], InferenceServerException)
     assert "input 'token_type_ids' has length 7" in results[2].message()
     for i in (0, 1, 3):

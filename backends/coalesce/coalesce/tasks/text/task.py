@@ -12,14 +12,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import numpy as np
 
 from coalesce.cache.keys import file_digest
-from coalesce.core.errors import ConfigError, InvalidInputError
-from coalesce.core.task import Row, Task, version_file
-from coalesce.core.tensors import GraphIO, TensorSpec, config_tensors
+from coalesce.core.errors import ConfigError, InvalidInputError, RuntimeFailure
+from coalesce.core.task import Pass, Row, Task, version_file
+from coalesce.core.tensors import GraphIO, TensorSpec, check_declared, config_tensors
 from coalesce.settings import ModelSettings
 from coalesce.tasks.text.reading import read_texts
 from coalesce.tasks.text.tokenizer import INPUT_IDS, TEXT_GRAPH_INPUTS, EncodedRows, TextTokenizer
@@ -34,10 +34,19 @@ _SYNTHETIC_TOKEN: Final = 1000
 
 
 class TextTask(Task):
-    """A task whose rows are texts, or text pairs where the model declares ``TEXT_PAIR``."""
+    """A task whose rows are texts, or text pairs where the model declares ``TEXT_PAIR``.
+
+    Each text task has one ``TYPE_FP32`` output of one dim (``OUTPUT``), computed from one
+    graph output (``GRAPH_OUTPUT``, of rank ``GRAPH_RANK``) whose last dim is its width.
+    """
 
     #: Whether the task accepts ``TEXT_PAIR`` at all (classify: cross-encoders).
     accepts_pairs: bool = False
+    OUTPUT: ClassVar[str]
+    GRAPH_OUTPUT: ClassVar[str]
+    GRAPH_RANK: ClassVar[int]
+    #: The inputs auto-completion declares.
+    COMPLETED_INPUTS: ClassVar[tuple[TensorSpec, ...]] = ()
 
     def __init__(self, settings: ModelSettings, config: Mapping[str, Any], version_dir: Path) -> None:
         """Load the tokenizer and check the declared inputs.
@@ -65,6 +74,16 @@ class TextTask(Task):
                     f"model '{self.model_name}': input '{want.name}' has data_type '{got.data_type}' and dims "
                     f"{list(got.dims)}, expected '{want.data_type}' and {list(want.dims)}")
         self.inputs = tuple(declared[t.name] for t in expected)
+        outputs = config_tensors(config, "output", model_name=self.model_name)
+        dims = outputs[0].dims if len(outputs) == 1 else ()
+        if len(dims) != 1 or dims[0] <= 0:
+            raise ConfigError(f"model '{self.model_name}': task '{self.name}' has one output '{self.OUTPUT}' "
+                              f"(TYPE_FP32) of one positive width such as [384]; found "
+                              f"{[(t.name, list(t.dims)) for t in outputs]}")
+        self.outputs = (TensorSpec(self.OUTPUT, "TYPE_FP32", dims),)
+        check_declared(self.model_name, "output", outputs, self.outputs)
+        self.width = dims[0]
+        self.graph_outputs = (self.GRAPH_OUTPUT,)
         self.tokenizer = TextTokenizer(self.tokenizer_path, self.max_length)
         self._feeds: tuple[str, ...] = TEXT_GRAPH_INPUTS
 
@@ -119,18 +138,32 @@ class TextTask(Task):
     # -- load -----------------------------------------------------------------------------------------
 
     def bind(self, graph: GraphIO | None) -> None:
-        """Feed the graph the text inputs it takes, then check its outputs (``_bind_outputs``).
+        """Feed the graph the text inputs it takes; check its output's width against the declared one.
 
         Raises:
-            ConfigError: If the graph takes an input a text task cannot fill, or lacks ``input_ids``.
+            ConfigError: If the graph takes an input a text task cannot fill, lacks ``input_ids``, or
+                its output does not fit.
         """
         if graph is not None:
             self._feeds = text_feeds(graph, model_name=self.model_name, task=self.name)
-        self._bind_outputs(graph)
+        width = graph_width(graph, self.GRAPH_OUTPUT, model_name=self.model_name, rank=self.GRAPH_RANK)
+        if width is not None and width != self.width:
+            raise ConfigError(f"model '{self.model_name}': output {self.OUTPUT} has dims [{self.width}] but the "
+                              f"graph produces width {width}")
 
-    @abc.abstractmethod
-    def _bind_outputs(self, graph: GraphIO | None) -> None:
-        """Check the graph's outputs against the task's (see ``bind``)."""
+    def graph_output(self, batch: Pass, results: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The pass's ``GRAPH_OUTPUT``, its shape checked.
+
+        Raises:
+            RuntimeFailure: If it came back in another shape.
+        """
+        value = results[self.GRAPH_OUTPUT]
+        rows = len(batch.indices)
+        expected = (rows, batch.padded_length, self.width) if self.GRAPH_RANK == 3 else (rows, self.width)
+        if value.shape != expected:
+            raise RuntimeFailure(f"'{self.GRAPH_OUTPUT}' came back with shape {list(value.shape)}, expected "
+                                 f"{list(expected)}")
+        return value
 
     def fingerprint(self) -> dict[str, Any]:
         """The tokenizer's content and truncation, and the task's own output settings."""
@@ -140,6 +173,22 @@ class TextTask(Task):
     @abc.abstractmethod
     def _output_settings(self) -> dict[str, Any]:
         """The task's settings that change its outputs."""
+
+    @classmethod
+    def complete(cls, config: Mapping[str, Any], graph: GraphIO | None) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """``COMPLETED_INPUTS`` when no input is declared; ``OUTPUT`` of the graph output's width when no output is.
+
+        Raises:
+            ConfigError: If the graph takes inputs a text task cannot fill.
+        """
+        inputs = [] if config.get("input") else list(cls.COMPLETED_INPUTS)
+        outputs: list[TensorSpec] = []
+        if graph is not None:
+            text_feeds(graph, model_name=str(config.get("name", "model")), task=cls.name)
+            found = graph.output(cls.GRAPH_OUTPUT)
+            if not config.get("output") and found is not None and found.shape and found.shape[-1] is not None:
+                outputs.append(TensorSpec(cls.OUTPUT, "TYPE_FP32", (found.shape[-1],)))
+        return inputs, outputs
 
 
 def text_feeds(graph: GraphIO, *, model_name: str, task: str) -> tuple[str, ...]:
