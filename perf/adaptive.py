@@ -95,7 +95,7 @@ def adaptive_config(target_ms: float, triton_delay_us: int = 0, name: str = "min
     the backend's deadlines cannot count: under overload, requests queue there while the
     model's process is busy taking the earlier ones).
     """
-    text = repository.renamed((MINILM / "config.pbtxt").read_text(), name)
+    text = repository.renamed(repository.single_model_config(), name)
     point = tune.TunePoint(max_queue_delay_us=triton_delay_us, preferred_batch_sizes=(), instance_count=1,
                            max_batch_rows=64, max_batch_tokens=8192)
     text = tune.apply_to_pbtxt(text, point)
@@ -111,7 +111,7 @@ def adaptive_config(target_ms: float, triton_delay_us: int = 0, name: str = "min
 
 def static_config(profile: str, point: tune.TunePoint) -> str:
     """The shipped config with a tuned point applied."""
-    text = repository.renamed((MINILM / "config.pbtxt").read_text(), static_model(profile))
+    text = repository.renamed(repository.single_model_config(), static_model(profile))
     return tune.apply_to_pbtxt(text, point)
 
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         configs.update({inline_model(p): adaptive_config(targets[p], name=inline_model(p)) for p in profiles})
     configs.update({static_model(p): static_config(p, statics[p]["point"]) for p in profiles})
     configs[FLOOR_MODEL] = tune.apply_to_pbtxt(
-        repository.renamed((MINILM / "config.pbtxt").read_text(), FLOOR_MODEL),
+        repository.renamed(repository.single_model_config(), FLOOR_MODEL),
         tune.TunePoint(max_queue_delay_us=0, preferred_batch_sizes=(), instance_count=1, max_batch_rows=64,
                        max_batch_tokens=8192))
     repo = build_repository(workdir / "repo", configs)

@@ -43,7 +43,7 @@ def build_repository(dest: Path, systems: list[str]) -> Path:
     sources = {"coalesce": (MINILM, "minilm"), "cached": (MINILM, "minilm_cached"), "naive": (NAIVE, "naive")}
     for system in (s for s in systems if s in sources):
         source, name = sources[system]
-        config = (source / "config.pbtxt").read_text()
+        config = (repository.single_model_config() if source == MINILM else (source / "config.pbtxt").read_text())
         if system == "cached":
             config = repository.renamed(config, name).replace('{ key: "runtime"', CACHE_PARAMETER, 1)
         model = repository.add_model(dest, name, config, version_dir=version)

@@ -19,13 +19,15 @@ from coalesce.batching.pipeline import Pipeline
 from coalesce.core.task import Prepared
 from coalesce.loader import load_pipeline
 from coalesce_tools.config import read_model_config, with_parameters
+from perf.repository import SINGLE_MODEL_THREADS
 
 FIXED_BATCH_SIZES = (8, 16, 32, 64)
 
 
 def make_pipeline(version_dir: Path, **parameters: str) -> Pipeline:
-    """A pipeline as the served model has it (its config, DP planner, calibrated cost model), ``parameters`` set."""
-    config = with_parameters(read_model_config(version_dir.parent / "config.pbtxt"), **parameters)
+    """A pipeline as the served model has it alone (its config, every core), ``parameters`` set."""
+    config = with_parameters(read_model_config(version_dir.parent / "config.pbtxt"),
+                             **{**SINGLE_MODEL_THREADS, **parameters})
     return load_pipeline(config, version_dir)
 
 

@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 rate = args.ramp_rate if shape == "ramp" else args.rate
                 summary = run_locust(shape=shape, protocol=protocol, rate_per_s=rate, duration_s=args.duration_s,
                                      pool=args.pool, profile=args.profile, grpc_url=server.grpc_url,
-                                     http_url=server.http_url, prefix=args.out / "raw" / args.run / f"{shape}-{protocol}")
+                                     http_url=server.http_url,
+                                     prefix=args.out / "raw" / args.run / f"{shape}-{protocol}")
                 runs.append(summary)
                 sys.stderr.write(f"load {shape} {protocol}: sent {summary['locust_requests']}/"
                                  f"{summary['offered_requests']}, {summary['achieved_per_s']:.1f}/s, p99 "

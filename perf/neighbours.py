@@ -46,6 +46,7 @@ import numpy as np
 from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from perf import workloads
 from perf.outcomes import percentile
+from perf.repository import SINGLE_MODEL_THREADS, with_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "model_repository"
@@ -58,24 +59,13 @@ _INSTANCE_GROUP: Final = re.compile(r"instance_group\s*\[\s*\{([^}]*)\}\s*\]")
 
 
 def strip_isolation(config: str) -> str:
-    """An example config without its rate limiter (the ``shared`` starting point of every variant)."""
+    """An example config without a rate limiter (with the threads set, the ``shared`` start of every variant)."""
     return _RATE_LIMITER_BLOCK.sub("", config)
-
-
-def with_parameters(config: str, parameters: dict[str, str]) -> str:
-    """``config`` with ``parameters`` set (replacing the same keys)."""
-    for key, value in parameters.items():
-        entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-        config, count = re.subn(r'\{ key: "' + re.escape(key) + r'", value: \{ string_value: "[^"]*" \} \}', entry,
-                                config)
-        if not count:
-            config = config.replace("parameters [", f"parameters [\n  {entry},", 1)
-    return config
 
 
 def variant_config(config: str, variant: str) -> str:
     """One model's config under ``variant``."""
-    config = strip_isolation(config)
+    config = with_parameters(strip_isolation(config), SINGLE_MODEL_THREADS)
     if variant == "rate_limiter":
         if _INSTANCE_GROUP.search(config):
             return _INSTANCE_GROUP.sub(lambda m: f"instance_group [ {{{m.group(1).rstrip()}, {RATE_LIMITER} }} ]",

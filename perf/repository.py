@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Final
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The shipped model, whose version folder every perf-lab model links.
@@ -17,6 +19,28 @@ def add_model(repository: Path, name: str, config: str, *, version_dir: Path = M
     for item in ("model.onnx", "tokenizer.json"):
         (target / item).symlink_to((version_dir / item).resolve())
     return repository / name
+
+
+#: ONNX Runtime on every core, spinning (its defaults): how a server that runs one model alone is set up.
+#: The example repository gives each model one thread, for four models sharing two cores
+#: (perf/results/neighbours-*); the single-model benchmarks measure one model at a time.
+SINGLE_MODEL_THREADS: Final = {"intra_op_threads": "0", "thread_spinning": "true"}
+
+
+def with_parameters(config: str, parameters: dict[str, str]) -> str:
+    """``config`` text with ``parameters`` set (replacing the same keys, else added)."""
+    for key, value in parameters.items():
+        entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+        config, count = re.subn(r'\{ key: "' + re.escape(key) + r'", value: \{ string_value: "[^"]*" \} \}', entry,
+                                config)
+        if not count:
+            config = config.replace("parameters [", f"parameters [\n  {entry},", 1)
+    return config
+
+
+def single_model_config() -> str:
+    """The shipped ``minilm`` config as a server running it alone would have it (``SINGLE_MODEL_THREADS``)."""
+    return with_parameters((MINILM / "config.pbtxt").read_text(), SINGLE_MODEL_THREADS)
 
 
 def renamed(config: str, name: str) -> str:

@@ -46,7 +46,7 @@ COUNTERS = ("coalesce_cache_hits_total", "coalesce_shared_cache_hits_total", "co
 
 def build_repository(dest: Path, redis_url: str, cache_bytes: int) -> Path:
     """``minilm`` as shipped and ``minilm_shared`` (in-process tier of ``cache_bytes`` + Redis), weights linked."""
-    config = (MINILM / "config.pbtxt").read_text()
+    config = repository.single_model_config()
     shared = repository.renamed(config, SHARED).replace(
         '{ key: "runtime"',
         f'{{ key: "cache_bytes", value: {{ string_value: "{cache_bytes}" }} }},\n'

@@ -1,6 +1,6 @@
 import pytest
 
-from coalesce.perfanalyzer import stats_delta
+from coalesce_tools.perfanalyzer import stats_delta
 from perf import report
 
 
