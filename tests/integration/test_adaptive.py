@@ -113,32 +113,50 @@ def test_a_rate_limited_tenant_is_refused_and_the_others_are_served(server, adap
                for status, message in refused)
 
 
+def steady(read, *, quiet_s=0.3, timeout_s=30.0):
+    """``read()`` once it stopped changing for ``quiet_s`` (the backend sends its metrics every 100 ms)."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = read()
+        if now == value:
+            return value
+        value = now
+    raise AssertionError(f"the value kept changing (last {value})")
+
+
 def test_cancelled_requests_are_dropped_before_they_are_computed(server, adaptive_models):
+    """Requests cancelled while queued are answered CANCELLED and never reach a forward pass."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     long_text = "a long document that takes a while to embed " * 40
     done = threading.Semaphore(0)
-    results = []
+    errors = []
 
     def callback(result, error):
-        results.append(error)
+        errors.append(error)
         done.release()
 
-    before = cancelled(server)
+    cancelled_before = steady(lambda: cancelled(server))
+    computed_before = steady(lambda: metric(server, "coalesce_rows_total", LIMITED))
     try:
         # One row per dispatch: the queue holds the later requests while the first ones run.
         contexts = [client.async_infer(LIMITED, [text_input([f"{i} {long_text}"])], callback,
                                        parameters={"tenant": "quiet"}) for i in range(12)]
-        time.sleep(0.05)
+        # Cancel only once the backend holds them queued (no race on a sleep).
+        settled_metric(server, "coalesce_queue_requests", LIMITED, lambda v: v >= 8)
         for context in contexts[4:]:
             context.cancel()
         for _ in contexts:
             assert done.acquire(timeout=120)
-        deadline = time.monotonic() + 30
-        while cancelled(server) == before and time.monotonic() < deadline:
-            time.sleep(0.1)
     finally:
         client.close()
-    assert cancelled(server) > before
+    dropped = steady(lambda: cancelled(server)) - cancelled_before
+    assert dropped >= 1, "no queued request was dropped as cancelled"
+    assert sum(error is None for error in errors) >= 4  # the four not cancelled were answered
+    # Every request the server did not drop was computed, and only those: rows_total counts the
+    # rows that reached the pipeline, so a dropped request that had been computed would show here.
+    assert steady(lambda: metric(server, "coalesce_rows_total", LIMITED)) - computed_before == 12 - dropped
 
 
 def test_the_client_sends_tenant_and_deadline_and_names_refusals(server, adaptive_models):

@@ -165,10 +165,14 @@ def test_serve_prints_endpoints_and_stops_on_sigterm(tmp_path):
             process.wait()
 
 
-def test_readme_lists_every_setting():
-    from coalesce.settings import Settings
+def test_the_configuration_page_lists_every_setting_as_coalesce_settings_prints_it(capsys):
+    """The parameter table of backends/coalesce/README.md is `coalesce settings --markdown`, row for row."""
+    from coalesce_tools.cli import main
 
-    readme = (ROOT / "README.md").read_text()
-    for field in Settings.parameter_fields():
-        assert f"`{field.name}`" in readme, f"README does not document parameter {field.name}"
-    assert Path(ROOT / "model_repository" / "minilm" / "config.pbtxt").is_file()
+    assert main(["settings", "--markdown"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    page = (ROOT / "backends" / "coalesce" / "README.md").read_text().splitlines()
+    missing = [row for row in table if row not in page]
+    assert not missing, "backends/coalesce/README.md lacks (or has stale) rows; paste `coalesce settings --markdown`:\n" \
+        + "\n".join(missing)
+    assert len(table) >= 38

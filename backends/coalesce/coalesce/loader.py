@@ -19,7 +19,7 @@ from coalesce.cache.keys import file_digest, output_fingerprint
 from coalesce.cache.memory import RowCache
 from coalesce.cache.shared import RedisTier
 from coalesce.core.errors import ConfigError
-from coalesce.core.task import version_file
+from coalesce.core.task import Task, version_file
 from coalesce.core.tensors import GraphIO, TensorSpec
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import InMemoryMetricFactory, MetricFactory, PipelineMetrics
@@ -109,7 +109,7 @@ def runtime_fingerprint(settings: ModelSettings, runtime: Runtime, version_dir: 
     return fields
 
 
-def _cost_model(settings: ModelSettings, task: Any, runtime: Runtime,
+def _cost_model(settings: ModelSettings, task: Task, runtime: Runtime,
                 logger: Logger) -> tuple[CostModel, list[tuple[int, int, float]]]:
     planner = settings.planner
     if planner.cost_coefficients is not None:

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from coalesce.core.tensors import GraphIO, TensorSpec
+from coalesce.settings import ModelSettings
 
 #: One row of a request, in the task's own form (a text, a text pair, one row of each input tensor).
 Row = Any
@@ -68,6 +69,14 @@ class Task(abc.ABC):
     outputs: tuple[TensorSpec, ...]
     graph_outputs: tuple[str, ...]
     max_length: int
+
+    @abc.abstractmethod
+    def __init__(self, settings: ModelSettings, config: Mapping[str, Any], version_dir: Path) -> None:
+        """Check the model's ``config`` (JSON form) against the task's contract; load its files from ``version_dir``.
+
+        Raises:
+            ConfigError: Naming the model, the tensor or file, and what does not fit.
+        """
 
     @abc.abstractmethod
     def read(self, tensors: Mapping[str, np.ndarray]) -> list[Row]:

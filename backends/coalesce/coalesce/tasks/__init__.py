@@ -36,4 +36,4 @@ def create_task(settings: ModelSettings, config: Mapping[str, Any], version_dir:
     Raises:
         ConfigError: If the config breaks the task's contract or a file is missing.
     """
-    return task_type(settings)(settings, config, version_dir)  # type: ignore[call-arg]
+    return task_type(settings)(settings, config, version_dir)
