@@ -21,8 +21,8 @@ TEXTS = ["Coalesce turns dynamic batches into few forward passes.", "short", "�
          "a longer document " * 40, "emoji only: 🤖🎉", "The quick brown fox jumps over the lazy dog."] * 8
 
 
-def embed_with(runtime: Any) -> tuple[np.ndarray, float]:
-    """Embed TEXTS through the minilm task's pipeline over ``runtime``; (vectors, seconds of the second, warm run)."""
+def run_task(model: str, runtime: Any, tensors: dict[str, np.ndarray], output: str) -> tuple[np.ndarray, float]:
+    """One request through example model ``model``'s task and pipeline over ``runtime``: (output, seconds warm)."""
     from coalesce.batching.costmodel import CostModel
     from coalesce.batching.pipeline import Pipeline
     from coalesce.observability.metrics import InMemoryMetricFactory, PipelineMetrics
@@ -30,19 +30,32 @@ def embed_with(runtime: Any) -> tuple[np.ndarray, float]:
     from coalesce.tasks import create_task
     from coalesce_tools.config import read_model_config
 
-    config = read_model_config(VERSION_DIR.parent / "config.pbtxt")
+    version_dir = ROOT / "model_repository" / model / "1"
+    config = read_model_config(version_dir.parent / "config.pbtxt")
     settings = ModelSettings.from_model_config(config)
-    task = create_task(settings, config, VERSION_DIR)
+    task = create_task(settings, config, version_dir)
     task.bind(runtime.graph)
     pipeline = Pipeline(task, runtime, settings.planner,
                         PipelineMetrics(InMemoryMetricFactory(), model="gpu-check", version="1"),
                         cost_model=CostModel(0.002, 0.0001, 0.0), model_name="gpu-check")
-    request = pipeline.read({"TEXT": np.array([[t.encode()] for t in TEXTS], dtype=object)})
+    request = pipeline.read(tensors)
     pipeline.run([request])
     start = time.perf_counter()
     (result,) = pipeline.run([request])
     assert not isinstance(result, Exception), result
-    return result["EMBEDDING"], time.perf_counter() - start
+    return result[output], time.perf_counter() - start
+
+
+def embed_with(runtime: Any) -> tuple[np.ndarray, float]:
+    """Embed TEXTS through the minilm task's pipeline over ``runtime``; (vectors, seconds of the second, warm run)."""
+    return run_task("minilm", runtime, {"TEXT": np.array([[t.encode()] for t in TEXTS], dtype=object)}, "EMBEDDING")
+
+
+def rerank_with(runtime: Any) -> tuple[np.ndarray, float]:
+    """Score (query, text) pairs of TEXTS through the minilm_rerank classify task over ``runtime``."""
+    texts = np.array([[t.encode()] for t in TEXTS], dtype=object)
+    queries = np.array([[b"what does coalescing do"]] * len(TEXTS), dtype=object)
+    return run_task("minilm_rerank", runtime, {"TEXT": queries, "TEXT_PAIR": texts}, "SCORES")
 
 
 def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
@@ -79,6 +92,23 @@ def main() -> int:
                                 "speedup_over_cpu": cpu_s / seconds}
             except Exception as exc:
                 parts[label] = {"ran": True, "ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+
+    rerank_dir = ROOT / "model_repository" / "minilm_rerank" / "1"
+    if not gpu:
+        parts["classify-torch-cuda"] = {"ran": False, "why": "torch.cuda.is_available() is False"}
+    else:
+        from coalesce.runtimes.torch_runtime import TorchRuntime
+
+        try:
+            want, cpu_rerank_s = rerank_with(OnnxRuntime(rerank_dir / "model.onnx"))
+            got, seconds = rerank_with(TorchRuntime(rerank_dir / "hf", head="sequence-classification",
+                                                    device="cuda:0"))
+            error = float(np.abs(got - want).max())
+            parts["classify-torch-cuda"] = {"ran": True, "seconds": seconds, "cpu_seconds": cpu_rerank_s,
+                                            "max_abs_error": error, "ok": error <= 1e-3}
+        except Exception as exc:
+            parts["classify-torch-cuda"] = {"ran": True, "ok": False, "error": repr(exc),
+                                            "trace": traceback.format_exc()[-2000:]}
 
     import onnxruntime
 
