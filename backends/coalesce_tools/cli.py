@@ -95,7 +95,7 @@ def settings_rows() -> list[tuple[str, str, str, str, str]]:
 
     rows = []
     for attr, options in COMPONENTS:
-        applies = getattr(options, "TASKS", None)
+        applies = getattr(options, "APPLIES_TO", None)
         tasks = ", ".join(applies) if applies else "all"
         for field in parameter_fields(options):
             default = str(field.default).lower() if isinstance(field.default, bool) else str(field.default)

@@ -10,6 +10,12 @@ from coalesce_client.client import DEFAULT_URLS, EmbeddingClient
 from coalesce_client.errors import ClientError
 
 
+def grpc_beside(http_url: str) -> str:
+    """The gRPC ``host:port`` of the server whose HTTP endpoint is ``http_url`` (Triton's default gRPC port)."""
+    host = http_url.split("://", 1)[-1].rsplit(":", 1)[0] or "localhost"
+    return f"{host}:{DEFAULT_URLS['grpc'].rsplit(':', 1)[1]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; exit 0 on success, 1 when the call failed, 2 on bad usage."""
     parser = argparse.ArgumentParser(prog="coalesce-client", description=__doc__)
@@ -27,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--requests", type=int, default=256)
     load.add_argument("--concurrency", type=int, default=32)
     load.add_argument("--texts-per-request", type=int, default=1)
-    load.add_argument("--stats-url", help="gRPC host:port for Triton's statistics (default: --url with gRPC)")
+    load.add_argument("--stats-url", help="gRPC host:port for Triton's statistics (default: --url's host, and "
+                      "with --protocol http the gRPC port 8001 beside it)")
     args = parser.parse_args(argv)
 
     with EmbeddingClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout_s) as client:
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "load":
             from coalesce_client.load import run_load
 
-            stats_url = args.stats_url or (client.url if args.protocol == "grpc" else DEFAULT_URLS["grpc"])
+            stats_url = args.stats_url or (client.url if args.protocol == "grpc" else grpc_beside(client.url))
             try:
                 report = run_load(client, stats_url=stats_url, requests=args.requests,
                                   concurrency=args.concurrency, texts_per_request=args.texts_per_request)

@@ -43,9 +43,13 @@ def _spec(default: Any, doc: str, *, low: float | None = None, high: float | Non
 
 @dataclasses.dataclass(frozen=True)
 class TaskOptions:
-    """What the model does with its rows (every task)."""
+    """What the model does with its rows (every task).
 
-    TASKS: ClassVar[tuple[str, ...] | None] = None
+    Each options class says in ``APPLIES_TO`` which tasks read it (None: every task); a
+    parameter of another task's options fails the load.
+    """
+
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
 
     task: str = _spec(
         "embedding", "What the model does: `embedding` (texts to vectors), `classify` (texts or text pairs to "
@@ -60,7 +64,7 @@ class TaskOptions:
 class TextOptions:
     """Reading and tokenising texts (tasks ``embedding`` and ``classify``)."""
 
-    TASKS: ClassVar[tuple[str, ...] | None] = ("embedding", "classify")
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("embedding", "classify")
 
     tokenizer_file: str = _spec("tokenizer.json", "Hugging Face `tokenizers` file, relative to the version folder.")
     max_text_bytes: int = _spec(1_048_576, "Largest accepted text in bytes; a larger one gets INVALID_ARG.",
@@ -71,7 +75,7 @@ class TextOptions:
 class EmbeddingOptions:
     """Turning token states into one vector per text (task ``embedding``)."""
 
-    TASKS: ClassVar[tuple[str, ...] | None] = ("embedding",)
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("embedding",)
 
     pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls` (the first "
                          "token's state).", choices=POOLING_CHOICES)
@@ -82,7 +86,7 @@ class EmbeddingOptions:
 class ClassifyOptions:
     """Turning logits into scores (task ``classify``)."""
 
-    TASKS: ClassVar[tuple[str, ...] | None] = ("classify",)
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("classify",)
 
     activation: str = _spec(
         "none", "Applied to each row's logits: `none` (raw logits), `sigmoid` (per label, e.g. a one-label "
@@ -96,7 +100,7 @@ class TensorOptions:
     ``pad_values`` come from the per-input keys ``pad_value:<input name>``.
     """
 
-    TASKS: ClassVar[tuple[str, ...] | None] = ("tensor",)
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("tensor",)
 
     mask_input: str = _spec(
         "", "Input holding the 0/1 mask of real positions: filled by the backend when a request leaves it out "
@@ -109,7 +113,7 @@ class TensorOptions:
 class RuntimeOptions:
     """Which engine runs the forward passes, and how (every task)."""
 
-    TASKS: ClassVar[tuple[str, ...] | None] = None
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
 
     runtime: str = _spec(
         "auto", "Inference runtime: `auto` picks the best available (TensorRT engine, ONNX Runtime on the GPU, "
@@ -138,7 +142,7 @@ class RuntimeOptions:
 class PlannerOptions:
     """How the rows of one dispatch are cut into forward passes (every task)."""
 
-    TASKS: ClassVar[tuple[str, ...] | None] = None
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
 
     max_batch_rows: int = _spec(64, "Most rows in one forward pass.", low=1, high=65536)
     max_batch_tokens: int = _spec(
@@ -165,7 +169,7 @@ class PlannerOptions:
 class CacheOptions:
     """The row cache: in process and shared through Redis (every task)."""
 
-    TASKS: ClassVar[tuple[str, ...] | None] = None
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
 
     cache_bytes: int = _spec(
         0, "Bytes of the in-process row cache (outputs, keys and bookkeeping; LRU eviction); 0 disables it.",
@@ -193,7 +197,7 @@ class CacheOptions:
 class SchedulerOptions:
     """Who forms batches, and the adaptive scheduler's targets (every task)."""
 
-    TASKS: ClassVar[tuple[str, ...] | None] = None
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
 
     scheduling: str = _spec(
         "triton", "Who forms batches: `triton` runs each batch Triton's dynamic batcher hands over; `adaptive` "
@@ -231,7 +235,7 @@ class SchedulerOptions:
 class MetricsOptions:
     """How the backend's metrics reach Triton's metrics port (every task)."""
 
-    TASKS: ClassVar[tuple[str, ...] | None] = None
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
 
     metrics_interval_ms: float = _spec(
         100.0, "Milliseconds between sends of the backend's metrics to Triton's metrics port. Metrics are "
@@ -402,7 +406,7 @@ def _field(options: type, name: str) -> dataclasses.Field[Any]:
 
 
 def _check_task(where: str, key: str, raw: str, options: type, task: str) -> None:
-    tasks = options.TASKS  # type: ignore[attr-defined]
+    tasks = options.APPLIES_TO  # type: ignore[attr-defined]
     if tasks is not None and task not in tasks:
         raise SettingsError(f"{where}: parameter '{key}' (value '{raw}') applies to task "
                             f"{' and '.join(tasks)}, but this model's task is '{task}'")

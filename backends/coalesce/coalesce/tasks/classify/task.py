@@ -31,7 +31,9 @@ def activate(logits: np.ndarray, activation: str) -> np.ndarray:
     """``logits`` as they are (``none``), through a sigmoid per label, or a softmax over the labels; float32."""
     values = logits.astype(np.float32, copy=False)
     if activation == "sigmoid":
-        return (1.0 / (1.0 + np.exp(-values))).astype(np.float32)
+        # exp of -|x| only: 1 / (1 + exp(-x)) overflows below about -88 in float32.
+        small = np.exp(-np.abs(values))
+        return np.where(values >= 0, 1.0 / (1.0 + small), small / (1.0 + small)).astype(np.float32)
     if activation == "softmax":
         shifted = np.exp(values - values.max(axis=-1, keepdims=True))
         return (shifted / shifted.sum(axis=-1, keepdims=True)).astype(np.float32)

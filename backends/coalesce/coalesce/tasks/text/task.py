@@ -62,7 +62,7 @@ class TextTask(Task):
         self.pairs = INPUT_TEXT_PAIR in declared
         if self.pairs and not self.accepts_pairs:
             raise ConfigError(f"model '{self.model_name}': task '{self.name}' takes no '{INPUT_TEXT_PAIR}' input")
-        expected = [TEXT_SPEC, *([declared[INPUT_TEXT_PAIR]] if self.pairs else [])]
+        expected = [TEXT_SPEC, *([TEXT_PAIR_SPEC] if self.pairs else [])]
         names = sorted(declared)
         if names != sorted(t.name for t in expected):
             allowed = f"'{INPUT_TEXT}'" + (f" and optionally '{INPUT_TEXT_PAIR}'" if self.accepts_pairs else "")
