@@ -22,7 +22,7 @@ serve: setup           ## start Triton on $(MODEL_REPOSITORY) (HTTP_PORT, GRPC_P
 
 test: setup            ## lint, then unit and integration tests (a real tritonserver)
 	$(MAKE) --no-print-directory lint
-	$(BIN)/pytest $(PYTEST_ARGS) tests
+	$(BIN)/pytest $(PYTEST_ARGS) tests perf/tests
 
 bench:                 ## perf_analyzer: coalesce vs naive side by side, offline ceilings; writes perf/results/
 	@bash scripts/setup.sh --bench
@@ -50,7 +50,7 @@ tune:                  ## coalesce tune --p99-ms $(P99_MS) on a seeded workload;
 	$(BIN)/coalesce tune --p99-ms $(P99_MS) --input-data .triton/tune-$(TUNE_PROFILE).json $(TUNE_ARGS)
 
 unit: setup
-	$(BIN)/pytest $(PYTEST_ARGS) tests/unit
+	$(BIN)/pytest $(PYTEST_ARGS) tests/unit perf/tests
 
 integration: setup
 	$(BIN)/pytest $(PYTEST_ARGS) tests/integration

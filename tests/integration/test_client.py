@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from coalesce_client import (
 )
 from coalesce_client.load import sample_texts
 from coalesce_tools.launcher import free_port
-from tests.conftest import ROOT, TRICKY_TEXTS
+from tests.conftest import TRICKY_TEXTS
 from tests.integration.conftest import add_model
 
 PROTOCOLS = ("http", "grpc")
@@ -163,16 +162,3 @@ def test_serve_prints_endpoints_and_stops_on_sigterm(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-def test_the_configuration_page_lists_every_setting_as_coalesce_settings_prints_it(capsys):
-    """The parameter table of backends/coalesce/README.md is `coalesce settings --markdown`, row for row."""
-    from coalesce_tools.cli import main
-
-    assert main(["settings", "--markdown"]) == 0
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
-    page = (ROOT / "backends" / "coalesce" / "README.md").read_text().splitlines()
-    missing = [row for row in table if row not in page]
-    assert not missing, "backends/coalesce/README.md lacks (or has stale) rows; paste `coalesce settings --markdown`:\n" \
-        + "\n".join(missing)
-    assert len(table) >= 38

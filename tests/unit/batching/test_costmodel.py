@@ -1,13 +1,21 @@
+"""The cost model: its fit, its calibration on a runtime whose time per pass is known, and the DP planner over it."""
+
 import itertools
+import types
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coalesce.coalescer import PlanLimits, plan_sub_batches, plan_sub_batches_dp
-from coalesce.costmodel import CostModel
-from coalesce.errors import ConfigError
+from coalesce.batching import costmodel
+from coalesce.batching.costmodel import CALIBRATION_REPEATS, CALIBRATION_SHAPES, CostModel, calibrate
+from coalesce.batching.planner import PlanLimits, plan_sub_batches, plan_sub_batches_dp
+from coalesce.core.errors import ConfigError
+from coalesce.settings import ModelSettings
+from coalesce.tasks import create_task
+from tests.conftest import built, model_config
+from tests.unit.fakes import RAGGED_CONFIG, FakeRuntime
 
 CPU = CostModel(a_s=0.002, b_s=0.00015, c_s=3e-7)
 GPU = CostModel(a_s=0.003, b_s=2e-7, c_s=1e-10)
@@ -87,3 +95,80 @@ def test_dp_invariants_and_never_worse_than_greedy(lengths, max_rows, max_tokens
         assert len(p.rows) <= max_rows and p.padded_tokens <= max_tokens
         assert p.padded_length == max(lengths[r] for r in p.rows)
     assert total(plans, cost) <= total(plan_sub_batches(lengths, limits), cost) + 1e-12
+
+
+class FakeClock:
+    """A clock that moves only when the runtime computes: each pass takes exactly what ``true`` predicts."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class TimedRuntime(FakeRuntime):
+    """Takes ``true.predict_s(rows, length)`` seconds of ``clock`` per pass, whatever it is fed."""
+
+    def __init__(self, clock, true, graph=None):
+        super().__init__()
+        self.clock, self.true, self.graph = clock, true, graph
+
+    def compute(self, feeds):
+        first = next(iter(feeds.values()))
+        # Token ids carry the pass's length; a model of fixed shape has none (every row is one position).
+        rows, length = first.shape[0], (feeds["input_ids"].shape[1] if "input_ids" in feeds else 1)
+        self.clock.now += float(self.true.predict_s(rows, length))
+        return {name: np.zeros(1) for name in ("last_hidden_state", "logits", "y", "total")}
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    """Calibration's clock, driven by the runtime (what calibration measures is then known exactly)."""
+    fake = FakeClock()
+    monkeypatch.setattr(costmodel, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+    return fake
+
+
+def embedding_task():
+    config = model_config("minilm")
+    return create_task(ModelSettings.from_model_config(config), config, built("minilm"))
+
+
+def test_calibration_times_the_runtime_on_every_shape_and_fits_what_it_measured(clock):
+    true = CostModel(0.004, 0.00003, 2e-8)
+    runtime = TimedRuntime(clock, true)
+    fitted, samples = calibrate(runtime, embedding_task(), max_rows=64, max_tokens=8192)
+    # Every shape ran once to warm up, then CALIBRATION_REPEATS times, with the task's synthetic feeds.
+    assert runtime.calls == [shape for shape in CALIBRATION_SHAPES for _ in range(1 + CALIBRATION_REPEATS)]
+    assert set(runtime.feeds[0]) == {"input_ids", "attention_mask", "token_type_ids"}
+    assert samples == [(rows, length, pytest.approx(true.predict_s(rows, length), rel=1e-9))
+                       for rows, length in CALIBRATION_SHAPES]
+    assert fitted.a_s == pytest.approx(true.a_s, rel=1e-6)
+    assert fitted.b_s == pytest.approx(true.b_s, rel=1e-6)
+    assert fitted.c_s == pytest.approx(true.c_s, rel=1e-4)
+
+
+def test_calibration_keeps_every_timed_pass_within_the_planners_limits(clock):
+    runtime = TimedRuntime(clock, CostModel(0.001, 0.0001, 0.0))
+    _, samples = calibrate(runtime, embedding_task(), max_rows=16, max_tokens=1024)
+    assert [(rows, length) for rows, length, _ in samples] == [
+        (1, 8), (1, 64), (1, 256), (4, 16), (4, 128), (16, 16), (16, 64), (4, 256), (16, 32), (16, 16)]
+    assert all(rows <= 16 and rows * length <= 1024 for rows, length in runtime.calls)
+
+
+def test_a_model_of_fixed_shape_is_timed_at_length_one(clock):
+    config = {**RAGGED_CONFIG, "input": [{"name": "scale", "data_type": "TYPE_FP32", "dims": ["2"]}],
+              "output": [{"name": "total", "data_type": "TYPE_FP64", "dims": ["2"]}],
+              "parameters": {"task": {"string_value": "tensor"}}}
+    task = create_task(ModelSettings.from_model_config(config), config, built("digits"))
+    assert task.max_length == 1
+    true = CostModel(0.002, 0.0005, 0.0)
+    runtime = TimedRuntime(clock, true)
+    fitted, samples = calibrate(runtime, task, max_rows=64, max_tokens=8192)
+    assert {length for _, length, _ in samples} == {1}
+    assert [f["scale"].shape for f in runtime.feeds[::1 + CALIBRATION_REPEATS]] == [
+        (rows, 2) for rows, _ in CALIBRATION_SHAPES]
+    for rows, _, seconds in samples:
+        assert seconds == pytest.approx(true.predict_s(rows, 1), rel=1e-9)
+        assert fitted.predict_s(rows, 1) == pytest.approx(seconds, rel=1e-6)

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coalesce.coalescer import PlanLimits, plan_sub_batches
+from coalesce.batching.planner import PlanLimits, plan_sub_batches
 
 LOOSE = PlanLimits(max_rows=1000, max_tokens=1_000_000, max_padding_ratio=1000.0)
 

@@ -7,16 +7,29 @@ import socket
 import threading
 
 import numpy as np
-import pytest
 import redis
 
-from coalesce.launcher import RedisServer, free_port, local_redis_port, redis_urls, start_local_redis
-from coalesce.log import Logger
-from coalesce.metrics import InMemoryMetricFactory, PipelineMetrics
-from coalesce.pipeline import EmbeddingPipeline
-from coalesce.settings import Settings
-from coalesce.shared_cache import RedisTier, redacted
-from tests.unit.test_pipeline import DIM, TableRuntime, enc, rows_computed
+from coalesce.cache.memory import RowCache
+from coalesce.cache.shared import RedisTier, _decode, layout_bytes, redacted
+from coalesce.observability.log import Logger
+from coalesce.observability.metrics import InMemoryMetricFactory, PipelineMetrics
+from coalesce_tools.launcher import RedisServer, free_port, local_redis_port, redis_urls, start_local_redis
+from tests.unit.fakes import (
+    DIM,
+    ClassifierRuntime,
+    EncoderRuntime,
+    RaggedRuntime,
+    answers,
+    classify_pipeline,
+    embedding_pipeline,
+    metrics,
+    ragged_pipeline,
+    ragged_request,
+    texts,
+)
+
+#: One row of the embedding task: a float32 vector.
+VECTOR = ((np.dtype(np.float32), (DIM,)),)
 
 
 class ListSink:
@@ -47,7 +60,7 @@ class FakeClock:
 def make_tier(url, *, clock=None, prefix=None, retry_s=5.0, timeout_s=0.2, ttl_s=0.0, log_interval_s=30.0):
     factory = InMemoryMetricFactory()
     sink = ListSink()
-    tier = RedisTier(url, dim=DIM, timeout_s=timeout_s, retry_s=retry_s, ttl_s=ttl_s,
+    tier = RedisTier(url, timeout_s=timeout_s, retry_s=retry_s, ttl_s=ttl_s,
                      key_prefix=prefix or f"test-{np.random.default_rng().integers(1 << 30)}:",
                      logger=Logger("m", sink), metrics=PipelineMetrics(factory, model="m", version="1"),
                      clock=clock or FakeClock(), log_interval_s=log_interval_s)
@@ -55,7 +68,12 @@ def make_tier(url, *, clock=None, prefix=None, retry_s=5.0, timeout_s=0.2, ttl_s
 
 
 def vectors(n, seed=0):
-    return np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
+    """``n`` rows of one output each (a vector)."""
+    return [(v,) for v in np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)]
+
+
+def layouts(n):
+    return [VECTOR] * n
 
 
 def keys(n, tag="k"):
@@ -67,9 +85,10 @@ def test_round_trip_is_bit_identical_and_counted(redis_server):
     stored = vectors(5)
     tier.put_many(keys(5), stored)
     assert tier.flush()
-    found = tier.get_many([*keys(5), b"absent-key......"])
+    found = tier.get_many([*keys(5), b"absent-key......"], layouts(6))
     assert found[-1] is None
-    assert np.stack(found[:5]).tobytes() == stored.tobytes()
+    for got, want in zip(found[:5], stored, strict=True):
+        assert len(got) == 1 and got[0].dtype == np.float32 and got[0].tobytes() == want[0].tobytes()
     assert factory.value("coalesce_shared_cache_hits_total") == 5
     assert factory.value("coalesce_shared_cache_misses_total") == 1
     assert factory.value("coalesce_shared_cache_up") == 1
@@ -88,13 +107,57 @@ def test_ttl_is_set_on_every_row(redis_server):
     tier.close()
 
 
-def test_a_value_of_the_wrong_width_is_a_miss_not_an_answer(redis_server):
+def test_a_value_of_the_wrong_size_is_a_miss_not_an_answer(redis_server):
     prefix = "corrupt-test:"
     tier, factory, _ = make_tier(redis_server.url, prefix=prefix)
     client = redis.Redis.from_url(redis_server.url)
-    client.set(prefix.encode() + keys(1)[0], b"not a vector")
+    client.set(prefix.encode() + keys(2)[0], b"not a vector")
+    client.set(prefix.encode() + keys(2)[1], np.zeros(DIM + 1, dtype=np.float32).tobytes())  # one float too many
     client.close()
-    assert tier.get_many(keys(1)) == [None]
+    assert tier.get_many(keys(2), layouts(2)) == [None, None]
+    assert factory.value("coalesce_shared_cache_errors_total", op="corrupt") == 2
+    assert factory.value("coalesce_shared_cache_hits_total") == 0
+    tier.close()
+
+
+SEVERAL = ((np.dtype(np.float32), (5, 3)), (np.dtype(np.float64), (2,)), (np.dtype(np.int64), ()))
+
+
+def test_decode_refuses_a_value_of_the_wrong_size():
+    assert layout_bytes(SEVERAL) == 5 * 3 * 4 + 2 * 8 + 8
+    good = bytes(layout_bytes(SEVERAL))
+    assert _decode(good, SEVERAL) is not None
+    assert _decode(good[:-1], SEVERAL) is None
+    assert _decode(good + b"\x00", SEVERAL) is None
+    assert _decode(b"", SEVERAL) is None
+    assert _decode(b"", ((np.dtype(np.float32), (0, 3)),)) is not None  # an empty output is 0 bytes
+
+
+def test_decode_lays_out_several_outputs_in_order():
+    y = np.arange(15, dtype=np.float32).reshape(5, 3)
+    total = np.array([2.5, -1.0])
+    count = np.array(7, dtype=np.int64)
+    value = y.tobytes() + total.tobytes() + count.tobytes()
+    got = _decode(value, SEVERAL)
+    assert [(a.dtype, a.shape) for a in got] == [(np.float32, (5, 3)), (np.float64, (2,)), (np.int64, ())]
+    for have, want in zip(got, (y, total, count), strict=True):
+        np.testing.assert_array_equal(have, want)
+    assert not got[0].flags.writeable  # views of the value read from Redis: never changed in place
+
+
+def test_rows_of_several_outputs_round_trip(redis_server):
+    tier, factory, _ = make_tier(redis_server.url)
+    rng = np.random.default_rng(4)
+    rows = [(rng.standard_normal((n, 3)).astype(np.float32), rng.standard_normal(2)) for n in (1, 4, 9)]
+    row_layouts = [tuple((a.dtype, a.shape) for a in row) for row in rows]
+    tier.put_many(keys(3), rows)
+    assert tier.flush()
+    found = tier.get_many(keys(3), row_layouts)
+    for got, want in zip(found, rows, strict=True):
+        assert [(a.dtype, a.shape) for a in got] == [(a.dtype, a.shape) for a in want]
+        assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want, strict=True))
+    # Asked with another row length, the same value is a miss: the row's layout is part of the check.
+    assert tier.get_many(keys(1), [((np.dtype(np.float32), (2, 3)), (np.dtype(np.float64), (2,)))]) == [None]
     assert factory.value("coalesce_shared_cache_errors_total", op="corrupt") == 1
     tier.close()
 
@@ -107,17 +170,17 @@ def test_redis_down_at_load_serves_without_it_and_recovers_when_it_starts():
     assert factory.value("coalesce_shared_cache_up") == 0
     assert not tier.available
     # While it stands aside, nothing touches the network: misses and skipped writes, no new errors.
-    assert tier.get_many(keys(3)) == [None] * 3
+    assert tier.get_many(keys(3), layouts(3)) == [None] * 3
     tier.put_many(keys(3), vectors(3))
     assert factory.value("coalesce_shared_cache_skipped_rows_total") == 6
     assert factory.value("coalesce_shared_cache_errors_total") == 1
     with RedisServer(port):
         clock.now += 5.0
-        assert tier.get_many(keys(3)) == [None] * 3  # tried again: up, and an honest miss
+        assert tier.get_many(keys(3), layouts(3)) == [None] * 3  # tried again: up, and an honest miss
         assert factory.value("coalesce_shared_cache_up") == 1
         tier.put_many(keys(3), vectors(3))
         assert tier.flush()
-        assert all(v is not None for v in tier.get_many(keys(3)))
+        assert all(v is not None for v in tier.get_many(keys(3), layouts(3)))
     assert [level for level, _ in sink.lines] == ["warn", "info"]
     assert "connect failed" in sink.lines[0][1] and "reachable again" in sink.lines[1][1]
     tier.close()
@@ -129,11 +192,11 @@ def test_errors_are_logged_once_per_interval_with_a_count():
                                     log_interval_s=30.0)
     for _ in range(5):
         clock.now += 1.0
-        tier.get_many(keys(1))
+        tier.get_many(keys(1), layouts(1))
     assert factory.value("coalesce_shared_cache_errors_total") == 6  # connect, then 5 lookups
     assert len(sink.lines) == 1
     clock.now += 30.0
-    tier.get_many(keys(1))
+    tier.get_many(keys(1), layouts(1))
     assert len(sink.lines) == 2 and "(6 error(s) since the last message)" in sink.lines[1][1]
     tier.close()
 
@@ -149,7 +212,7 @@ def test_a_redis_that_never_answers_costs_one_timeout_then_stands_aside():
         tier, factory, _ = make_tier(f"redis://127.0.0.1:{port}/0", clock=clock, timeout_s=0.05)
         assert factory.value("coalesce_shared_cache_errors_total", op="connect") == 1
         clock.now += 10.0
-        assert tier.get_many(keys(2)) == [None, None]
+        assert tier.get_many(keys(2), layouts(2)) == [None, None]
         assert factory.value("coalesce_shared_cache_errors_total", op="get") == 1
         tier.put_many(keys(2), vectors(2))  # skipped: the tier stands aside after that timeout
         assert factory.value("coalesce_shared_cache_skipped_rows_total") == 2
@@ -163,69 +226,104 @@ def test_redacted_hides_the_password():
     assert redacted("redis://host:6379/0") == "redis://host:6379/0"
 
 
-def pipeline_on(tokenizer, url, runtime, *, prefix, **params):
-    params.setdefault("cost_model", "0.001,0.0001,0")
-    settings = Settings.from_parameters({k: str(v) for k, v in params.items()}, model_name="m",
-                                        max_batch_size=64, embedding_dim=DIM)
-    factory = InMemoryMetricFactory()
-    metrics = PipelineMetrics(factory, model="m", version="1")
-    shared = RedisTier(url, dim=DIM, timeout_s=0.2, retry_s=0.0, key_prefix=prefix, metrics=metrics)
-    return EmbeddingPipeline(settings, runtime, tokenizer, metrics, shared=shared, fingerprint=b"f" * 32), factory
+def shared_tier(url, prefix, recorded):
+    return RedisTier(url, timeout_s=0.2, retry_s=0.0, key_prefix=prefix, metrics=recorded[0])
 
 
-def test_a_second_pipeline_on_the_same_redis_starts_warm(tokenizer, redis_server):
+def embed(pipeline, *requests):
+    return answers(pipeline, *({"TEXT": texts(*request)} for request in requests))
+
+
+def embedding_on(url, runtime, *, prefix, cache=None):
+    recorded = metrics()
+    return embedding_pipeline(runtime, shared=shared_tier(url, prefix, recorded), cache=cache,
+                              pipeline_metrics=recorded)
+
+
+def test_a_second_pipeline_on_the_same_redis_starts_warm(redis_server):
     prefix = "warm-test:"
-    first_runtime, second_runtime = TableRuntime(), TableRuntime()
-    first, _ = pipeline_on(tokenizer, redis_server.url, first_runtime, prefix=prefix)
-    requests = [enc(["alpha", "beta"]), enc(["gamma " * 40, "alpha"])]
-    computed = first.embed(requests)
+    first_runtime, second_runtime = EncoderRuntime(), EncoderRuntime()
+    first, _ = embedding_on(redis_server.url, first_runtime, prefix=prefix)
+    requests = [["alpha", "beta"], ["gamma " * 40, "alpha"]]
+    computed = embed(first, *requests)
     assert first.shared.flush()
-    second, factory = pipeline_on(tokenizer, redis_server.url, second_runtime, prefix=prefix)
-    warm = second.embed(requests)
-    assert rows_computed(second_runtime) == 0
+    second, factory = embedding_on(redis_server.url, second_runtime, prefix=prefix)
+    warm = embed(second, *requests)
+    assert second_runtime.feeds == []
     assert factory.value("coalesce_shared_cache_hits_total") == 3
     for a, b in zip(computed, warm, strict=True):
-        assert a.tobytes() == b.tobytes()
+        assert a["EMBEDDING"].tobytes() == b["EMBEDDING"].tobytes()
     first.close()
     second.close()
 
 
-def test_in_process_tier_in_front_keeps_shared_hits(tokenizer, redis_server):
-    from coalesce.cache import RowCache
-
+def test_in_process_tier_in_front_keeps_shared_hits(redis_server):
     prefix = "tiers-test:"
-    writer, _ = pipeline_on(tokenizer, redis_server.url, TableRuntime(), prefix=prefix)
-    writer.embed([enc(["one", "two"])])
+    writer, _ = embedding_on(redis_server.url, EncoderRuntime(), prefix=prefix)
+    embed(writer, ["one", "two"])
     assert writer.shared.flush()
-    settings = writer.settings
-    factory = InMemoryMetricFactory()
-    metrics = PipelineMetrics(factory, model="m", version="1")
-    runtime = TableRuntime()
-    reader = EmbeddingPipeline(settings, runtime, tokenizer, metrics, cache=RowCache(1 << 20), fingerprint=b"f" * 32,
-                               shared=RedisTier(redis_server.url, dim=DIM, timeout_s=0.2, retry_s=0.0,
-                                                key_prefix=prefix, metrics=metrics))
-    reader.embed([enc(["one", "two", "three"])])
-    reader.embed([enc(["one", "two", "three"])])
-    assert rows_computed(runtime) == 1  # "three", once
+    runtime = EncoderRuntime()
+    reader, factory = embedding_on(redis_server.url, runtime, prefix=prefix, cache=RowCache(1 << 20))
+    embed(reader, ["one", "two", "three"])
+    embed(reader, ["one", "two", "three"])
+    assert runtime.rows_computed == 1  # "three", once
     assert factory.value("coalesce_shared_cache_hits_total") == 2
     assert factory.value("coalesce_cache_hits_total") == 3  # the second call: all in process
     writer.close()
     reader.close()
 
 
-def test_redis_killed_mid_run_never_fails_a_request_and_the_cache_comes_back(tokenizer):
+def test_a_pair_model_starts_warm_from_redis(redis_server):
+    prefix = "pairs-test:"
+    requests = [{"TEXT": texts("q", "q"), "TEXT_PAIR": texts("first doc", "second doc")}, {"TEXT": texts("q")}]
+    recorded = metrics()
+    first, _ = classify_pipeline(ClassifierRuntime(), shared=shared_tier(redis_server.url, prefix, recorded))
+    computed = answers(first, *requests)
+    assert first.shared.flush()
+    runtime, recorded = ClassifierRuntime(), metrics()
+    second, factory = classify_pipeline(runtime, shared=shared_tier(redis_server.url, prefix, recorded),
+                                        pipeline_metrics=recorded)
+    warm = answers(second, *requests)
+    assert runtime.feeds == [] and factory.value("coalesce_shared_cache_hits_total") == 3
+    for a, b in zip(computed, warm, strict=True):
+        assert a["SCORES"].tobytes() == b["SCORES"].tobytes()
+    first.close()
+    second.close()
+
+
+def test_rows_of_every_length_and_several_outputs_start_warm_from_redis(redis_server):
+    prefix = "ragged-test:"
+    requests = [ragged_request(2, 3, 0), ragged_request(1, 11, 1, mask=True), ragged_request(3, 1, 2)]
+    recorded = metrics()
+    first, _ = ragged_pipeline(RaggedRuntime(), shared=shared_tier(redis_server.url, prefix, recorded))
+    computed = answers(first, *requests)
+    assert first.shared.flush()
+    runtime, recorded = RaggedRuntime(), metrics()
+    second, factory = ragged_pipeline(runtime, shared=shared_tier(redis_server.url, prefix, recorded),
+                                      pipeline_metrics=recorded)
+    mixed = [*requests, ragged_request(1, 5, 9)]
+    warm = answers(second, *mixed)
+    assert runtime.rows_computed == 1  # only the new row
+    assert factory.value("coalesce_shared_cache_hits_total") == 6
+    for a, b in zip(computed, warm[:3], strict=True):
+        for name in ("y", "total"):
+            assert a[name].shape == b[name].shape and a[name].tobytes() == b[name].tobytes()
+    first.close()
+    second.close()
+
+
+def test_redis_killed_mid_run_never_fails_a_request_and_the_cache_comes_back():
     port = free_port()
     server = RedisServer(port).start()
-    runtime = TableRuntime()
-    pipeline, factory = pipeline_on(tokenizer, f"redis://127.0.0.1:{port}/0", runtime, prefix="kill-test:")
-    texts = [f"sentence number {i}" for i in range(8)]
+    pipeline, factory = embedding_on(f"redis://127.0.0.1:{port}/0", EncoderRuntime(), prefix="kill-test:")
+    sentences = [f"sentence number {i}" for i in range(8)]
     errors: list[object] = []
     stop = threading.Event()
 
     def traffic():
         while not stop.is_set():
-            for result in pipeline.embed([enc(texts[:4]), enc(texts[4:])]):
-                if not isinstance(result, np.ndarray):
+            for result in embed(pipeline, sentences[:4], sentences[4:]):
+                if not isinstance(result, dict):
                     errors.append(result)
 
     worker = threading.Thread(target=traffic)
@@ -274,9 +372,3 @@ def test_serve_starts_redis_for_loopback_urls_nobody_answers(tmp_path):
         for server in started:
             server.stop()
 
-
-@pytest.fixture(scope="module")
-def tokenizer(version_dir):
-    from coalesce.tokenizer import TextTokenizer
-
-    return TextTokenizer(version_dir / "tokenizer.json", 256)

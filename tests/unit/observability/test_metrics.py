@@ -1,8 +1,8 @@
-"""Buffered metrics: recorded in process, sent to the real factory only on a flush."""
+"""Buffered metrics: recorded in process, sent to the real factory only on a flush; the pipeline's families."""
 
 import threading
 
-from coalesce.metrics import MAX_PENDING_OBSERVATIONS, BufferedMetricFactory, InMemoryMetricFactory
+from coalesce.observability.metrics import MAX_PENDING_OBSERVATIONS, BufferedMetricFactory, InMemoryMetricFactory
 
 
 def test_nothing_reaches_the_target_before_a_flush_and_everything_after():
@@ -72,3 +72,18 @@ def test_a_failing_send_is_reported_once_per_interval_and_does_not_stop_the_othe
         factory.flush()
     assert target.value("fine_total") == 3
     assert [str(e) for e in errors] == ["server gone"]
+
+
+def test_pipeline_metrics_are_labelled_by_model_version_and_stage():
+    from coalesce.observability.metrics import STAGES, PipelineMetrics
+
+    assert STAGES == ("read", "prepare", "plan", "infer", "split", "scatter")
+    factory = InMemoryMetricFactory()
+    metrics = PipelineMetrics(factory, model="m", version="2")
+    for stage in STAGES:
+        metrics.stage_seconds[stage].observe(0.001)
+    labels = {dict(ls)["stage"]: dict(ls) for (name, ls) in factory.histograms if name == "coalesce_stage_seconds"}
+    assert labels == {stage: {"model": "m", "version": "2", "stage": stage} for stage in STAGES}
+    metrics.rows.increment(3)
+    assert factory.value("coalesce_rows_total", model="m", version="2") == 3
+    assert factory.value("coalesce_rows_total", model="other") == 0

@@ -1,4 +1,4 @@
-"""The adaptive scheduler's thread over a real pipeline (deterministic encoder): every request answered once."""
+"""The adaptive scheduler's thread over a real pipeline (deterministic fake runtimes): every request answered once."""
 
 import dataclasses
 import threading
@@ -6,18 +6,28 @@ import threading
 import numpy as np
 import pytest
 
-from coalesce.errors import CancelledError, InvalidInputError, UnavailableError
-from coalesce.metrics import InMemoryMetricFactory, PipelineMetrics, SchedulerMetrics
-from coalesce.pipeline import EmbeddingPipeline
-from coalesce.serving import AdaptiveScheduler, Submission, read_parameters, scheduler_config
-from coalesce.settings import Settings
-from coalesce.tokenizer import TextTokenizer
-from tests.unit.test_pipeline import DIM, TableRuntime, enc
-
-
-@pytest.fixture(scope="module")
-def tokenizer(version_dir):
-    return TextTokenizer(version_dir / "tokenizer.json", 256)
+from coalesce.core.errors import CancelledError, CoalesceError, InvalidInputError, UnavailableError
+from coalesce.observability.metrics import SchedulerMetrics
+from coalesce.scheduling.driver import (
+    AdaptiveScheduler,
+    Submission,
+    read_parameters,
+    scheduler_config,
+    triton_queue_timeout_s,
+)
+from coalesce.settings import ModelSettings
+from tests.conftest import model_config
+from tests.unit.fakes import (
+    DIM,
+    RAGGED_CONFIG,
+    EncoderRuntime,
+    RaggedRuntime,
+    answers,
+    embedding_pipeline,
+    make_pipeline,
+    ragged_request,
+    texts,
+)
 
 
 class Answers:
@@ -48,140 +58,194 @@ def submit(scheduler, submissions):
             sub.respond(result)
 
 
-def make_scheduler(tokenizer, runtime=None, cancel_check_share=0.0, **params):
-    params = {"cost_model": "0.001,0.0001,0", "scheduling": "adaptive", **params}
-    settings = Settings.from_parameters({k: str(v) for k, v in params.items()}, model_name="m",
-                                        max_batch_size=64, embedding_dim=DIM)
-    factory = InMemoryMetricFactory()
-    pipeline = EmbeddingPipeline(settings, runtime or TableRuntime(), tokenizer,
-                                 PipelineMetrics(factory, model="m", version="1"))
-    config = dataclasses.replace(scheduler_config(settings), cancel_check_share=cancel_check_share,
-                                 cancel_check_wait_s=60.0)
-    scheduler = AdaptiveScheduler(pipeline, config, SchedulerMetrics(factory, model="m", version="1"))
-    return scheduler, factory
+def text_request(*values):
+    return {"TEXT": texts(*values)}
 
 
-def test_every_request_from_many_threads_gets_its_own_answer(tokenizer):
-    scheduler, factory = make_scheduler(tokenizer, target_p99_ms=60_000)
-    reference, _ = make_scheduler(tokenizer)
-    answers = Answers()
+def schedule(pipeline, factory, config, cancel_check_share=0.0):
+    settings = ModelSettings.from_model_config(config)
+    scheduling = dataclasses.replace(scheduler_config(settings), cancel_check_share=cancel_check_share,
+                                     cancel_check_wait_s=60.0)
+    return AdaptiveScheduler(pipeline, scheduling, SchedulerMetrics(factory, model="m", version="1")), factory
+
+
+def make_scheduler(runtime=None, cancel_check_share=0.0, **parameters):
+    parameters = {"scheduling": "adaptive", **parameters}
+    pipeline, factory = embedding_pipeline(runtime, **parameters)
+    return schedule(pipeline, factory, model_config("minilm", **parameters), cancel_check_share)
+
+
+def reference(*values):
+    pipeline, _ = embedding_pipeline()
+    return answers(pipeline, text_request(*values))[0]["EMBEDDING"]
+
+
+def test_every_request_from_many_threads_gets_its_own_answer():
+    scheduler, factory = make_scheduler(target_p99_ms=60_000)
+    answered = Answers()
     requests = {(t, i): [f"thread {t} text {i}", f"shared text {i % 3}"][: 1 + i % 2] for t in range(4)
                 for i in range(25)}
 
     def client(t):
         for i in range(25):
-            submit(scheduler, [Submission(rows=enc(requests[(t, i)]), respond=answers.responder((t, i)),
-                                         tenant=f"tenant{t % 2}")])
+            submit(scheduler, [Submission(tensors=text_request(*requests[(t, i)]),
+                                          respond=answered.responder((t, i)), tenant=f"tenant{t % 2}")])
 
     threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    answers.wait(len(requests))
-    for key, texts in requests.items():
-        expected = reference.pipeline.embed([enc(texts)])[0]
-        assert np.array_equal(answers.results[key], expected)
+    answered.wait(len(requests))
+    pipeline, _ = embedding_pipeline()
+    for key, values in requests.items():
+        assert np.array_equal(answered.results[key]["EMBEDDING"], answers(pipeline, text_request(*values))[0]
+                              ["EMBEDDING"])
     assert factory.value("coalesce_tenant_rows_total") == sum(len(t) for t in requests.values())
-    assert factory.value("coalesce_tenant_rows_total", tenant="tenant0") > 0
+    assert factory.value("coalesce_tenant_rows_total", tenant="tenant0") == sum(
+        len(v) for (t, _), v in requests.items() if t % 2 == 0)
     assert scheduler.cost.observed > 0
-    assert factory.observations("coalesce_dispatch_rows")
+    assert sum(factory.observations("coalesce_dispatch_rows")) == sum(len(t) for t in requests.values())
     assert factory.value("coalesce_queue_requests") == 0
     scheduler.close()
-    reference.close()
 
 
-def test_bad_input_is_answered_at_once_and_neighbours_are_served(tokenizer):
-    scheduler, _ = make_scheduler(tokenizer)
-    answers = Answers()
-    submit(scheduler, [Submission(rows=[b"\xff\xfe"], respond=answers.responder("bad")),
-                      Submission(rows=enc(["fine"]), respond=answers.responder("good")),
-                      Submission(rows=InvalidInputError("no TEXT"), respond=answers.responder("missing"))])
-    answers.wait(3)
-    assert isinstance(answers.results["bad"], InvalidInputError) and "not valid UTF-8" in str(answers.results["bad"])
-    assert isinstance(answers.results["missing"], InvalidInputError)
-    assert answers.results["good"].shape == (1, DIM)
+@pytest.mark.parametrize(("tensors", "message"), [
+    (text_request(b"\xff\xfe"), "input 'TEXT' row 0 is not valid UTF-8: byte 0xff at offset 0 (invalid start byte)"),
+    ({"TEXT": np.empty((0, 1), dtype=np.object_)},
+     "input 'TEXT' has no rows: send at least one text (shape [N, 1], N >= 1)"),
+    ({}, "request has no input 'TEXT'"),
+    ({"TEXT": texts("a", "b").reshape(1, 2)}, "input 'TEXT' has shape [1, 2], expected [N, 1]"),
+    (InvalidInputError("request parameters must be a JSON object"), "request parameters must be a JSON object"),
+], ids=["non_utf8", "empty", "missing", "shape", "parameters"])
+def test_bad_input_is_answered_at_once_and_neighbours_are_served(tensors, message):
+    scheduler, factory = make_scheduler()
+    answered = Answers()
+    bad = Submission(tensors=tensors, respond=answered.responder("bad"))
+    good = Submission(tensors=text_request("fine"), respond=answered.responder("good"))
+    ready = scheduler.submit([bad, good])
+    assert isinstance(ready[0], InvalidInputError)  # from submit itself, never queued
+    for sub, result in zip([bad, good], ready, strict=True):
+        if result is not None:
+            sub.respond(result)
+    answered.wait(2)
+    error = answered.results["bad"]
+    assert isinstance(error, InvalidInputError) and error.code == "INVALID_ARG"
+    assert str(error) == message
+    assert np.array_equal(answered.results["good"]["EMBEDDING"], reference("fine"))
+    # Read once, as one stage, for both; only the good row was computed and counted for its tenant.
+    assert len(factory.observations("coalesce_stage_seconds", stage="read")) == 1
+    assert factory.value("coalesce_tenant_rows_total", tenant="default") == 1
+    assert factory.value("coalesce_rows_total") == 1
     scheduler.close()
 
 
-def test_cancelled_requests_are_never_computed(tokenizer):
-    runtime = TableRuntime()
-    scheduler, factory = make_scheduler(tokenizer, runtime)
-    answers = Answers()
-    submit(scheduler, [Submission(rows=enc(["cancel me please"]), respond=answers.responder("gone"),
-                                 is_cancelled=lambda: True)])
-    answers.wait(1)
-    assert isinstance(answers.results["gone"], CancelledError)
-    assert runtime.calls == []
+def test_a_dispatch_that_raises_still_answers_every_request():
+    class Broken(EncoderRuntime):
+        def compute(self, feeds):
+            raise ValueError("not a CoalesceError")
+
+    scheduler, factory = make_scheduler(Broken(), target_p99_ms=60_000)
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("one"), respond=answered.responder("one")),
+                       Submission(tensors=text_request("two", "three"), respond=answered.responder("two"))])
+    answered.wait(2)
+    for key in ("one", "two"):
+        error = answered.results[key]
+        assert type(error) is CoalesceError and error.code == "INTERNAL"
+        assert str(error) == "internal error: not a CoalesceError"
+    assert factory.value("coalesce_tenant_failures_total", tenant="default") == 2
+    scheduler.close()
+
+
+def test_cancelled_requests_are_never_computed():
+    runtime = EncoderRuntime()
+    scheduler, factory = make_scheduler(runtime)
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("cancel me please"), respond=answered.responder("gone"),
+                                  is_cancelled=lambda: True)])
+    answered.wait(1)
+    assert isinstance(answered.results["gone"], CancelledError)
+    assert str(answered.results["gone"]) == "request was cancelled before it was computed"
+    assert runtime.feeds == []
     assert factory.value("coalesce_rejections_total", reason="cancelled") == 1
     assert factory.value("coalesce_tenant_rejections_total", reason="cancelled", tenant="default") == 1
     scheduler.close()
 
 
-def test_young_requests_are_not_asked_whether_they_were_cancelled(tokenizer):
+def test_young_requests_are_not_asked_whether_they_were_cancelled():
     # Asking is a round trip to the server; a request dispatched at once is computed unasked.
     asked = []
-    scheduler, _ = make_scheduler(tokenizer, cancel_check_share=0.5, target_p99_ms=60_000)
-    answers = Answers()
-    submit(scheduler, [Submission(rows=enc(["fresh"]), respond=answers.responder("fresh"),
-                                 is_cancelled=lambda: asked.append(1) or False)])
-    answers.wait(1)
-    assert answers.results["fresh"].shape == (1, DIM)
+    scheduler, _ = make_scheduler(cancel_check_share=0.5, target_p99_ms=60_000)
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("fresh"), respond=answered.responder("fresh"),
+                                  is_cancelled=lambda: asked.append(1) or False)])
+    answered.wait(1)
+    assert answered.results["fresh"]["EMBEDDING"].shape == (1, DIM)
     assert asked == []
     scheduler.close()
 
 
-def test_a_timeout_that_cannot_be_met_is_refused_at_once_with_a_reason(tokenizer):
-    scheduler, factory = make_scheduler(tokenizer)
-    answers = Answers()
-    submit(scheduler, [Submission(rows=enc(["x " * 200]), respond=answers.responder("hurry"), timeout_s=1e-6)])
-    answers.wait(1)
-    error = answers.results["hurry"]
+def test_a_timeout_that_cannot_be_met_is_refused_at_once_with_a_reason():
+    scheduler, factory = make_scheduler()
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("x " * 200), respond=answered.responder("hurry"),
+                                  timeout_s=1e-6)])
+    answered.wait(1)
+    error = answered.results["hurry"]
     assert isinstance(error, UnavailableError) and error.code == "UNAVAILABLE"
-    assert "request refused: it cannot meet its deadline of 0 ms" in str(error) and "predicted answer in" in str(error)
+    assert str(error).startswith("request refused: it cannot meet its deadline of 0 ms: 0 request(s) with 0 row(s) "
+                                 "queued, predicted answer in ")
     assert factory.value("coalesce_rejections_total", reason="deadline") == 1
     scheduler.close()
 
 
-def test_queue_bound_and_tenant_rate_limit_refuse_with_their_reasons(tokenizer):
-    scheduler, factory = make_scheduler(tokenizer, max_queue_rows=2, tenant_max_rows_per_s="free:1",
-                                        target_p99_ms=60_000)
-    answers = Answers()
-    submit(scheduler, [Submission(rows=enc(["a", "b"]), respond=answers.responder("fits")),
-                      Submission(rows=enc(["c"]), respond=answers.responder("full")),
-                      Submission(rows=enc(["d"]), respond=answers.responder("free-1"), tenant="free"),
-                      Submission(rows=enc(["e"]), respond=answers.responder("free-2"), tenant="free")])
-    answers.wait(4)
-    assert answers.results["fits"].shape == (2, DIM)
-    full = str(answers.results["full"])
-    assert "request refused: the queue is full" in full and "max_queue_rows" in full
-    assert "tenant 'free' is over its rate limit (1 rows/s)" in str(answers.results["free-2"])
+def test_queue_bound_and_tenant_rate_limit_refuse_with_their_reasons():
+    scheduler, factory = make_scheduler(max_queue_rows=2, tenant_max_rows_per_s="free:1", target_p99_ms=60_000)
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("a", "b"), respond=answered.responder("fits")),
+                       Submission(tensors=text_request("c"), respond=answered.responder("full")),
+                       Submission(tensors=text_request("d"), respond=answered.responder("free-1"), tenant="free"),
+                       Submission(tensors=text_request("e"), respond=answered.responder("free-2"), tenant="free")])
+    answered.wait(4)
+    assert answered.results["fits"]["EMBEDDING"].shape == (2, DIM)
+    assert str(answered.results["full"]) == ("request refused: the queue is full (2 rows queued, limit 2 (parameter "
+                                             "'max_queue_rows')); retry later")
+    assert str(answered.results["free-2"]) == ("request refused: tenant 'free' is over its rate limit (1 rows/s); "
+                                               "retry later")
     assert factory.value("coalesce_rejections_total", reason="queue_full") >= 1
     assert factory.value("coalesce_rejections_total", reason="rate_limit") == 1
     scheduler.close()
 
 
-def test_close_answers_what_is_queued(tokenizer):
-    gate = threading.Event()
+def test_close_answers_what_is_queued_and_returns():
+    gate, started = threading.Event(), threading.Event()
 
-    class SlowRuntime(TableRuntime):
-        def run(self, *args):
+    class SlowRuntime(EncoderRuntime):
+        def compute(self, feeds):
+            started.set()
             gate.wait(10)
-            return super().run(*args)
+            return super().compute(feeds)
 
-    scheduler, _ = make_scheduler(tokenizer, SlowRuntime(), target_p99_ms=60_000, max_dispatch_rows=1)
-    answers = Answers()
-    submit(scheduler, [Submission(rows=enc([f"row {i}"]), respond=answers.responder(i)) for i in range(5)])
+    scheduler, _ = make_scheduler(SlowRuntime(), target_p99_ms=60_000, max_dispatch_rows=1)
+    answered = Answers()
+    submitter = threading.Thread(target=submit, args=(scheduler, [
+        Submission(tensors=text_request(f"row {i}"), respond=answered.responder(i)) for i in range(5)]))
+    submitter.start()
+    assert started.wait(10)  # one dispatch runs (held at the gate), four wait in the queue
     closer = threading.Thread(target=scheduler.close)
     closer.start()
     gate.set()
     closer.join(30)
-    answers.wait(5)
-    assert all(r.shape == (1, DIM) for r in answers.results.values())
+    assert not closer.is_alive(), "close() did not return"
+    submitter.join(30)
+    answered.wait(5)
+    assert all(r["EMBEDDING"].shape == (1, DIM) for r in answered.results.values())
     # After close, new work is refused rather than left unanswered.
-    submit(scheduler, [Submission(rows=enc(["late"]), respond=answers.responder("late"))])
-    answers.wait(6)
-    assert "unloading" in str(answers.results["late"])
+    submit(scheduler, [Submission(tensors=text_request("late"), respond=answered.responder("late"))])
+    answered.wait(6)
+    assert isinstance(answered.results["late"], UnavailableError)
+    assert str(answered.results["late"]) == "model is unloading"
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -194,22 +258,24 @@ def test_read_parameters(text, expected):
     assert read_parameters(text) == expected
 
 
-@pytest.mark.parametrize(("text", "fragment"), [
-    ("not json", "not valid JSON"),
-    ('{"tenant": 5}', "'tenant' must be a non-empty string"),
-    ('{"tenant": ""}', "'tenant' must be a non-empty string"),
-    ('{"priority_level": -1}', "'priority_level' must be an integer >= 0"),
-    ('{"priority_level": "high"}', "'priority_level' must be an integer >= 0"),
-    ('{"priority_level": true}', "'priority_level' must be an integer >= 0"),
+@pytest.mark.parametrize(("text", "message"), [
+    ("not json", "request parameters are not valid JSON: 'not json'"),
+    ("[1]", "request parameters must be a JSON object"),
+    ('{"tenant": 5}', "request parameter 'tenant' must be a non-empty string of at most 128 characters, got 5"),
+    ('{"tenant": ""}', "request parameter 'tenant' must be a non-empty string of at most 128 characters, got ''"),
+    ('{"priority_level": -1}', "request parameter 'priority_level' must be an integer >= 0 (1 is the highest level), "
+                               "got -1"),
+    ('{"priority_level": "high"}', "request parameter 'priority_level' must be an integer >= 0 (1 is the highest "
+                                   "level), got 'high'"),
+    ('{"priority_level": true}', "request parameter 'priority_level' must be an integer >= 0 (1 is the highest "
+                                 "level), got True"),
 ])
-def test_bad_parameters_are_invalid_arg(text, fragment):
+def test_bad_parameters_are_invalid_arg(text, message):
     error = read_parameters(text)
-    assert isinstance(error, InvalidInputError) and fragment in str(error)
+    assert isinstance(error, InvalidInputError) and str(error) == message
 
 
 def test_tritons_queue_timeout_comes_off_the_backends_share_of_the_target():
-    from coalesce.serving import triton_queue_timeout_s
-
     config = {"dynamic_batching": {"default_queue_policy": {"timeout_action": "REJECT",
                                                             "default_timeout_microseconds": "50000"}}}
     assert triton_queue_timeout_s(config) == 0.05
@@ -217,53 +283,73 @@ def test_tritons_queue_timeout_comes_off_the_backends_share_of_the_target():
                                                            "default_timeout_microseconds": 9}}}
     assert triton_queue_timeout_s(delay) == 0
     assert triton_queue_timeout_s({}) == 0
-    settings = Settings.from_parameters({"target_p99_ms": "200"}, model_name="m")
+    settings = ModelSettings.from_parameters({"target_p99_ms": "200"}, model_name="m")
     assert scheduler_config(settings, triton_queue_timeout_s=0.05).target_s == pytest.approx(0.15)
     assert scheduler_config(settings, triton_queue_timeout_s=5.0).target_s == pytest.approx(0.02)
+    assert scheduler_config(settings, triton_queue_timeout_s=0.05).inline_share == 0.0
+    assert scheduler_config(settings).inline_share > 0
 
 
-def test_an_idle_scheduler_answers_a_short_dispatch_inline(tokenizer):
-    scheduler, factory = make_scheduler(tokenizer)
-    reference, _ = make_scheduler(tokenizer)
-    answers = Answers()
-    sub = Submission(rows=enc(["quiet server"]), respond=answers.responder("inline"))
+def test_an_idle_scheduler_answers_a_short_dispatch_inline():
+    scheduler, factory = make_scheduler()
+    answered = Answers()
+    sub = Submission(tensors=text_request("quiet server"), respond=answered.responder("inline"))
     [result] = scheduler.submit([sub])
-    assert np.array_equal(result, reference.pipeline.embed([enc(["quiet server"])])[0])
-    assert answers.results == {}  # answered from submit, not through the response sender
+    assert np.array_equal(result["EMBEDDING"], reference("quiet server"))
+    assert answered.results == {}  # answered from submit, not through the response sender
     assert factory.value("coalesce_tenant_rows_total") == 1
     scheduler.close()
-    reference.close()
 
 
-def test_a_long_dispatch_goes_to_the_scheduler_thread(tokenizer):
+def test_a_long_dispatch_goes_to_the_scheduler_thread():
     # 50 ms predicted against a 200 ms target: more than an inline run may take.
-    scheduler, _ = make_scheduler(tokenizer, cost_model="0.05,0,0", target_p99_ms=200)
-    answers = Answers()
-    assert scheduler.submit([Submission(rows=enc(["long"]), respond=answers.responder("long"))]) == [None]
-    answers.wait(1)
-    assert answers.results["long"].shape == (1, DIM)
+    scheduler, _ = make_scheduler(cost_model="0.05,0,0", target_p99_ms=200)
+    answered = Answers()
+    assert scheduler.submit([Submission(tensors=text_request("long"), respond=answered.responder("long"))]) == [None]
+    answered.wait(1)
+    assert answered.results["long"]["EMBEDDING"].shape == (1, DIM)
     scheduler.close()
 
 
-def test_while_a_dispatch_runs_new_requests_queue_and_are_answered_later(tokenizer):
+def test_while_a_dispatch_runs_new_requests_queue_and_are_answered_later():
     gate, started = threading.Event(), threading.Event()
 
-    class GatedRuntime(TableRuntime):
-        def run(self, *args):
+    class GatedRuntime(EncoderRuntime):
+        def compute(self, feeds):
             started.set()
             gate.wait(10)
-            return super().run(*args)
+            return super().compute(feeds)
 
-    scheduler, _ = make_scheduler(tokenizer, GatedRuntime(), target_p99_ms=60_000)
-    answers = Answers()
-    first = threading.Thread(target=submit, args=(scheduler, [Submission(rows=enc(["first"]),
-                                                                         respond=answers.responder("first"))]))
+    scheduler, _ = make_scheduler(GatedRuntime(), target_p99_ms=60_000)
+    answered = Answers()
+    first = threading.Thread(target=submit, args=(scheduler, [
+        Submission(tensors=text_request("first"), respond=answered.responder("first"))]))
     first.start()
     assert started.wait(10)
     # The executor is taken (inline, in the first caller's thread): this one waits in the queue.
-    assert scheduler.submit([Submission(rows=enc(["second"]), respond=answers.responder("second"))]) == [None]
+    assert scheduler.submit([Submission(tensors=text_request("second"), respond=answered.responder("second"))]) == [
+        None]
     gate.set()
     first.join(10)
-    answers.wait(2)
-    assert answers.results["first"].shape == answers.results["second"].shape == (1, DIM)
+    answered.wait(2)
+    assert answered.results["first"]["EMBEDDING"].shape == answered.results["second"]["EMBEDDING"].shape == (1, DIM)
+    scheduler.close()
+
+
+def test_tensor_rows_of_every_length_are_scheduled_and_answered():
+    config = {**RAGGED_CONFIG, "parameters": {**RAGGED_CONFIG["parameters"],
+                                              "scheduling": {"string_value": "adaptive"},
+                                              "target_p99_ms": {"string_value": "60000"}}}
+    pipeline, factory = make_pipeline(config, None, RaggedRuntime())
+    scheduler, _ = schedule(pipeline, factory, config)
+    answered = Answers()
+    requests = {i: ragged_request(1 + i % 3, 1 + (5 * i) % 17, i, mask=i % 2 == 0) for i in range(12)}
+    submit(scheduler, [Submission(tensors=r, respond=answered.responder(i)) for i, r in requests.items()])
+    answered.wait(len(requests))
+    reference_pipeline, _ = make_pipeline(RAGGED_CONFIG, None, pipeline.runtime)
+    for i, request in requests.items():
+        (alone,) = answers(reference_pipeline, request)
+        for output in ("y", "total"):
+            assert np.array_equal(answered.results[i][output], alone[output])
+    assert factory.value("coalesce_tenant_rows_total") == sum(len(r["x"]) for r in requests.values())
     scheduler.close()

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coalesce.costmodel import CostModel
-from coalesce.scheduler import (
+from coalesce.batching.costmodel import CostModel
+from coalesce.scheduling.policy import (
     AdaptiveQueue,
     CostEstimator,
     Dispatch,
@@ -18,8 +18,8 @@ from coalesce.scheduler import (
     Rejection,
     SchedulerConfig,
     Wait,
-    parse_tenant_map,
 )
+from coalesce.settings import parse_tenant_map
 
 #: CPU-like: 2 ms a pass, 0.25 ms a token (a 16-token query costs ~6 ms alone).
 CPU = CostModel(0.002, 0.00025, 0.0)

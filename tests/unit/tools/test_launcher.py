@@ -1,19 +1,10 @@
+"""The launcher: options from the environment, the server's command line and the backend directory it assembles."""
+
 from pathlib import Path
 
-import numpy as np
 import pytest
-from tritonclient.utils import InferenceServerException
 
-from coalesce.launcher import LaunchError, TritonServer, assemble_backend_dir, find_triton, options_from_env
-from coalesce_client import (
-    InvalidInputError,
-    ModelNotFoundError,
-    RequestRejectedError,
-    RequestTimeoutError,
-    ServerError,
-    ServerUnavailableError,
-)
-from coalesce_client.client import encode_texts, translate_error
+from coalesce_tools.launcher import LaunchError, TritonServer, assemble_backend_dir, find_triton, options_from_env
 
 
 def test_options_from_env(monkeypatch):
@@ -57,39 +48,9 @@ def test_backend_dir_layout(tmp_path):
     install = find_triton()
     root = assemble_backend_dir(install, tmp_path / "backends")
     for rel in ("python/libtriton_python.so", "python/triton_python_backend_utils.py",
-                "python/triton_python_backend_stub", "coalesce/model.py", "coalesce/coalesce/pipeline.py"):
+                "python/triton_python_backend_stub", "coalesce/model.py", "coalesce/coalesce/batching/pipeline.py",
+                "coalesce/coalesce/tasks/tensor/task.py"):
         assert (root / rel).exists(), rel
-
-
-def test_encode_texts():
-    array = encode_texts(["héllo", b"\xff"])
-    assert array.shape == (2, 1) and array.dtype == np.object_
-    assert array[0, 0] == "héllo".encode() and array[1, 0] == b"\xff"
-    with pytest.raises(TypeError, match="not a single string"):
-        encode_texts("hello")
-
-
-@pytest.mark.parametrize(("status", "message", "kind"), [
-    ("StatusCode.INVALID_ARGUMENT", "input 'TEXT' row 0 is not valid UTF-8", InvalidInputError),
-    ("400", "input 'TEXT' row 0 is not valid UTF-8", InvalidInputError),
-    ("400", "Request for unknown model: 'x' is not found", ModelNotFoundError),
-    ("StatusCode.UNAVAILABLE", "failed to connect to all addresses", ServerUnavailableError),
-    ("StatusCode.DEADLINE_EXCEEDED", "Deadline Exceeded", RequestTimeoutError),
-    ("StatusCode.INTERNAL", "boom", ServerError),
-    # Refusals under load: the adaptive scheduler's, and Triton's queue policy's, over both protocols.
-    ("StatusCode.UNAVAILABLE", "request refused: the queue is full", RequestRejectedError),
-    ("503", "request refused: the queue is full", RequestRejectedError),
-    ("StatusCode.UNAVAILABLE", "Request timeout expired", RequestRejectedError),
-    ("503", "Request timeout expired", RequestRejectedError),
-    ("503", "model is unloading", ServerUnavailableError),
-])
-def test_error_translation(status, message, kind):
-    error = translate_error(InferenceServerException(msg=message, status=status), model="m", url="u", timeout_s=1)
-    assert isinstance(error, kind)
-    assert "model 'm' at u" in str(error)
-
-
-def test_transport_errors():
-    assert isinstance(translate_error(ConnectionRefusedError("refused"), model="m", url="u", timeout_s=1),
-                      ServerUnavailableError)
-    assert isinstance(translate_error(TimeoutError(), model="m", url="u", timeout_s=1), RequestTimeoutError)
+    # Only what runs in the stub: the developer tools are never put beside the backend.
+    assert not (root / "coalesce" / "coalesce_tools").exists()
+    assert not (root / "coalesce" / "coalesce" / "cli.py").exists()

@@ -1,4 +1,4 @@
-from coalesce.tune import TunePoint, apply_to_pbtxt, config_override, grid, pareto_frontier, select
+from coalesce_tools.tune import TunePoint, apply_to_pbtxt, config_override, grid, pareto_frontier, select
 from tests.conftest import MODEL_DIR
 
 
