@@ -245,3 +245,22 @@ def ragged_request(rows: int, length: int, seed: int, *, mask: bool = False) -> 
 def answers(pipeline: Pipeline, *requests: Mapping[str, np.ndarray] | CoalesceError) -> list[Any]:
     """What ``execute`` gets back for these requests (their tensors by name): read, then run together."""
     return pipeline.run(pipeline.read_all(list(requests)))
+
+
+class ListSink:
+    """A log sink (``pb_utils.Logger``'s shape) that keeps every line with its level."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+
+    def log_info(self, message: str) -> None:
+        self.lines.append(("info", message))
+
+    def log_warn(self, message: str) -> None:
+        self.lines.append(("warn", message))
+
+    def log_error(self, message: str) -> None:
+        self.lines.append(("error", message))
+
+    def log_verbose(self, message: str) -> None:
+        self.lines.append(("verbose", message))

@@ -18,6 +18,7 @@ from tests.unit.fakes import (
     DIM,
     ClassifierRuntime,
     EncoderRuntime,
+    ListSink,
     RaggedRuntime,
     answers,
     classify_pipeline,
@@ -30,23 +31,6 @@ from tests.unit.fakes import (
 
 #: One row of the embedding task: a float32 vector.
 VECTOR = ((np.dtype(np.float32), (DIM,)),)
-
-
-class ListSink:
-    def __init__(self):
-        self.lines = []
-
-    def log_info(self, message):
-        self.lines.append(("info", message))
-
-    def log_warn(self, message):
-        self.lines.append(("warn", message))
-
-    def log_error(self, message):
-        self.lines.append(("error", message))
-
-    def log_verbose(self, message):
-        self.lines.append(("verbose", message))
 
 
 class FakeClock:

@@ -3,23 +3,7 @@
 import logging
 
 from coalesce.observability.log import Logger
-
-
-class ListSink:
-    def __init__(self):
-        self.lines = []
-
-    def log_info(self, message):
-        self.lines.append(("info", message))
-
-    def log_warn(self, message):
-        self.lines.append(("warn", message))
-
-    def log_error(self, message):
-        self.lines.append(("error", message))
-
-    def log_verbose(self, message):
-        self.lines.append(("verbose", message))
+from tests.unit.fakes import ListSink
 
 
 def test_every_level_goes_to_the_sink_with_the_models_prefix():
