@@ -479,7 +479,8 @@ def markdown(run: dict[str, Any]) -> str:
             for t, v in r.get("tenants", {}).items():
                 lines.append(f"| {t} | {v['sent']} | {v['ok']} | {v['rejected']} | {v['ok_p50_ms']} | "
                              f"{v['ok_p99_ms']} | {backend.get(t, '-')} | {v['goodput_per_s']} |")
-    lines += ["", f"Plot: `{Path(run['plot']).name}`; Locust CSVs per run in `{run['run']}/`.", ""]
+    lines += ["", f"Plot: `{Path(run['plot']).name}`; Locust CSVs per run in `raw/{run['run']}/` (not committed).",
+              ""]
     return "\n".join(lines)
 
 
