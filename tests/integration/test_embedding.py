@@ -133,16 +133,3 @@ def test_metrics_are_exported(server):
             stages[found["stage"]] = float(value)
     assert set(stages) == {"read", "prepare", "plan", "infer", "split", "scatter"}, stages
     assert all(count > 0 for count in stages.values()), stages
-
-
-def test_readme_curl_body_works(server):
-    body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [2, 1],
-                        "data": ["Coalesce turns dynamic batches into few forward passes.", "日本語"]}]}
-    request = urllib.request.Request(f"http://{server.http_url}/v2/models/minilm/infer",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        answer = json.loads(response.read())
-    (output,) = answer["outputs"]
-    assert output["name"] == "EMBEDDING" and output["shape"] == [2, 384]
-    vector = np.asarray(output["data"][:384])
-    assert abs(np.linalg.norm(vector) - 1.0) < 1e-4
