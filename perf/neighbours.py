@@ -12,7 +12,7 @@ Capacity is the noisy model's closed-loop throughput, measured once at the start
 ``shared`` variant. Reported per variant: the light models' p50/p99 alone and beside the
 noise, their ratio, and what isolation costs the noisy model (answers per second).
 
-Variants (every model's config is the example's with its isolation removed, then):
+Variants (every model's config is the example's with ONNX Runtime on every core, spinning, then):
 - ``shared``: no isolation; each model's ONNX Runtime uses every core whenever Triton hands it a batch.
 - ``rate_limiter``: Triton's rate limiter (``--rate-limit=execution_count``): every instance needs the
   one global resource ``cores``, so one model computes at a time and the next waits its turn.
@@ -54,18 +54,12 @@ RESULTS = ROOT / "perf" / "results"
 VARIANTS: Final = ("shared", "no_spin", "one_core_each", "rate_limiter")
 #: The resource every instance needs under the ``rate_limiter`` variant (and the shipped example configs).
 RATE_LIMITER: Final = 'rate_limiter { resources [ { name: "cores", global: true, count: 1 } ] }'
-_RATE_LIMITER_BLOCK: Final = re.compile(r",?\s*rate_limiter\s*\{\s*resources\s*\[[^\]]*\]\s*(priority:\s*\d+\s*)?\}")
 _INSTANCE_GROUP: Final = re.compile(r"instance_group\s*\[\s*\{([^}]*)\}\s*\]")
 
 
-def strip_isolation(config: str) -> str:
-    """An example config without a rate limiter (with the threads set, the ``shared`` start of every variant)."""
-    return _RATE_LIMITER_BLOCK.sub("", config)
-
-
 def variant_config(config: str, variant: str) -> str:
-    """One model's config under ``variant``."""
-    config = with_parameters(strip_isolation(config), SINGLE_MODEL_THREADS)
+    """One model's config under ``variant``, starting from every core with spinning (the ``shared`` variant)."""
+    config = with_parameters(config, SINGLE_MODEL_THREADS)
     if variant == "rate_limiter":
         if _INSTANCE_GROUP.search(config):
             return _INSTANCE_GROUP.sub(lambda m: f"instance_group [ {{{m.group(1).rstrip()}, {RATE_LIMITER} }} ]",

