@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 from pathlib import Path
 from types import FrameType
 
@@ -51,8 +52,17 @@ def _run(server: TritonServer, options: ServerOptions, redis_servers: list[Redis
         sys.stderr.write(f"coalesce serve: {exc}\n")
         return 1
 
+    stopping = threading.Event()
+
     def forward(signum: int, frame: FrameType | None) -> None:
-        server.send_signal(signal.SIGINT)  # Triton's graceful shutdown either way
+        # Drain (unload every model: accepted requests finish, new ones are refused), then stop Triton;
+        # from a thread, since draining takes seconds and a signal handler must return. A second
+        # signal stops Triton at once.
+        if stopping.is_set():
+            server.send_signal(signal.SIGINT)
+            return
+        stopping.set()
+        threading.Thread(target=server.stop, name="coalesce-shutdown", daemon=True).start()
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)

@@ -15,9 +15,11 @@ import ctypes
 import dataclasses
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import sysconfig
@@ -32,11 +34,18 @@ from pathlib import Path
 from typing import IO, Final
 
 from coalesce_tools.config import ConfigReadError, parameter, read_model_config
+from coalesce_tools.supervisor import Supervisor, SupervisorOptions
 
 CONTAINER_ROOT: Final = Path("/opt/tritonserver")
 #: Folder holding ``model.py`` (the adapter) and the ``coalesce`` package.
 BACKEND_SOURCE: Final = Path(__file__).resolve().parent.parent / "coalesce"
 LOG_TAIL_LINES: Final = 40
+#: The header Triton checks on restricted APIs, and the APIs restricted whenever a key is set: everything
+#: but inference, health, metadata and model config (loading a model with a config override runs code).
+ADMIN_HEADER: Final = "admin-key"
+ADMIN_APIS: Final = ("model-repository", "logging", "trace", "shared-memory", "statistics")
+ADMIN_KEY_ENV: Final = "COALESCE_ADMIN_KEY"
+ADMIN_KEY_FILE_ENV: Final = "COALESCE_ADMIN_KEY_FILE"
 #: Triton's glog-style error lines: ``E1202 11:42:31.582634 2676 model_lifecycle.cc:642] ...``.
 _ERROR_LINE: Final = re.compile(r"^E\d{4} |^error: ")
 
@@ -127,15 +136,50 @@ def free_port() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrpcTls:
+    """TLS on the gRPC endpoint: the server's certificate and key; with ``ca``, clients must present one it signed."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+
+    def args(self) -> list[str]:
+        """Triton's flags for it."""
+        args = ["--grpc-use-ssl=true", f"--grpc-server-cert={self.cert}", f"--grpc-server-key={self.key}"]
+        if self.ca is not None:
+            args += ["--grpc-use-ssl-mutual=true", f"--grpc-root-cert={self.ca}"]
+        return args
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address to bind) is reachable from this machine only."""
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerOptions:
-    """How to start the server."""
+    """How to start the server.
+
+    Model control: ``none`` serves the repository as it is at start (users cannot load or
+    unload); ``explicit`` lets holders of ``admin_key`` load and unload (without a key only
+    on a loopback address); ``poll`` follows the repository's files. Under ``none`` and
+    ``explicit`` Triton runs with explicit control so that the supervisor can reload a model
+    whose stub died; the admin APIs (``ADMIN_APIS``) are restricted to ``admin_key``, or under
+    ``none`` without one to a random key only the supervisor knows.
+    """
 
     model_repository: Path
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     model_control: str = "none"
+    #: The value of the ``admin-key`` header the admin APIs require; None: see the class docstring.
+    admin_key: str | None = dataclasses.field(default=None, repr=False)
+    grpc_tls: GrpcTls | None = None
+    #: Reload a model whose stub died (not under ``poll``: Triton refuses repository loads then).
+    supervise: bool = True
+    supervisor: SupervisorOptions = dataclasses.field(default_factory=SupervisorOptions)
     load_models: tuple[str, ...] = ()
     log_verbose: int = 0
     #: Bytes of Triton's own response cache (``--cache-config=local,size=...``); 0 leaves it off.
@@ -146,6 +190,22 @@ class ServerOptions:
     rate_limit: str = "off"
     extra_args: tuple[str, ...] = ()
     ready_timeout_s: float = 180.0
+    #: Seconds Triton waits for in-flight requests when asked to stop (``--exit-timeout-secs``).
+    exit_timeout_s: int = 15
+
+    def __post_init__(self) -> None:
+        """Refuse an admin API open to the network.
+
+        Raises:
+            LaunchError: If model control is explicit on a non-loopback address without an admin key.
+        """
+        if self.model_control not in ("none", "explicit", "poll"):
+            raise LaunchError(f"model control {self.model_control!r}: expected none, explicit or poll")
+        if self.model_control == "explicit" and not self.admin_key and not is_loopback(self.host):
+            raise LaunchError(
+                f"explicit model control on {self.host} without an admin key would let anyone who reaches port "
+                f"{self.http_port} load models (which runs their code): set {ADMIN_KEY_ENV} (or "
+                f"{ADMIN_KEY_FILE_ENV}), or bind a loopback address (HOST=127.0.0.1)")
 
 
 def library_path(*extra: Path | str) -> str:
@@ -179,21 +239,46 @@ class TritonServer:
         self._workdir = Path(tempfile.mkdtemp(prefix="coalesce-triton-"))
         self._process: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
+        self._supervisor: Supervisor | None = None
+        o = options
+        # Under ``none`` the admin APIs are closed to everyone but the supervisor: a key nobody else knows.
+        self._admin_key = o.admin_key or (secrets.token_urlsafe(32) if o.model_control != "explicit" else None)
+
+    @property
+    def _connect_host(self) -> str:
+        host = self.options.host
+        return "127.0.0.1" if host in ("0.0.0.0", "::", "") or is_loopback(host) else host
 
     @property
     def http_url(self) -> str:
         """``host:port`` of the HTTP endpoint."""
-        return f"127.0.0.1:{self.options.http_port}"
+        return f"{self._connect_host}:{self.options.http_port}"
 
     @property
     def grpc_url(self) -> str:
         """``host:port`` of the gRPC endpoint."""
-        return f"127.0.0.1:{self.options.grpc_port}"
+        return f"{self._connect_host}:{self.options.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
         """URL of the Prometheus metrics."""
-        return f"http://127.0.0.1:{self.options.metrics_port}/metrics"
+        return f"http://{self._connect_host}:{self.options.metrics_port}/metrics"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """Headers that open the restricted admin APIs (empty when they are not restricted)."""
+        return {ADMIN_HEADER: self._admin_key} if self._admin_key else {}
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        """The supervisor reloading models whose stub died, once the server is ready (None if unsupervised)."""
+        return self._supervisor
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
 
     def command(self) -> list[str]:
         """The ``tritonserver`` command line."""
@@ -204,17 +289,24 @@ class TritonServer:
             f"--backend-directory={self._workdir / 'backends'}",
             f"--http-address={o.host}", f"--grpc-address={o.host}", f"--metrics-address={o.host}",
             f"--http-port={o.http_port}", f"--grpc-port={o.grpc_port}", f"--metrics-port={o.metrics_port}",
-            f"--model-control-mode={o.model_control}",
+            # Explicit control under ``none`` too (with the admin APIs closed): the supervisor reloads through it.
+            f"--model-control-mode={'poll' if o.model_control == 'poll' else 'explicit'}",
             f"--log-verbose={o.log_verbose}",
-            "--exit-timeout-secs=15",
+            f"--exit-timeout-secs={o.exit_timeout_s}",
         ]
+        if self._admin_key:
+            restricted = ",".join(ADMIN_APIS) + f":{ADMIN_HEADER}={self._admin_key}"
+            args += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+        if o.grpc_tls is not None:
+            args += o.grpc_tls.args()
         if self.install.cache_dir is not None:
             args.append(f"--cache-directory={self.install.cache_dir}")
         if o.response_cache_bytes > 0:
             args.append(f"--cache-config=local,size={o.response_cache_bytes}")
         if o.rate_limit != "off":
             args.append(f"--rate-limit={o.rate_limit}")
-        args += [f"--load-model={name}" for name in o.load_models]
+        if o.model_control != "poll":
+            args += [f"--load-model={name}" for name in (o.load_models or ("*",))]
         return args + list(o.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -245,7 +337,28 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        if self.options.supervise and self.options.model_control != "poll":
+            try:
+                self._supervisor = Supervisor(lambda: self.pid, self.http_url, headers=self.admin_headers,
+                                              options=self.options.supervisor, log=self._supervisor_log).start()
+            except OSError as exc:
+                self.stop()
+                raise LaunchError(f"the health endpoint cannot listen on port {self.options.supervisor.health_port} "
+                                  f"({exc.strerror}): set HEALTH_PORT to a free port, or 0 for none") from None
         return self
+
+    def _supervisor_log(self, line: str) -> None:
+        with self._lock:
+            self._tail.append(line)
+            self._log_lines.append(line + "\n")
+        if self._echo is not None:
+            self._echo.write(line + "\n")
+            self._echo.flush()
+
+    def stop_supervising(self) -> None:
+        """Stop the supervisor (before a shutdown, so it never reloads a model the server is unloading)."""
+        if self._supervisor is not None:
+            self._supervisor.stop()
 
     def _read_output(self) -> None:
         assert self._process is not None and self._process.stdout is not None
@@ -304,11 +417,39 @@ class TritonServer:
         if self._process is not None and self._process.poll() is None:
             self._process.send_signal(signum)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Unload every model, so new requests are refused with Triton's "unavailable" while accepted ones finish.
+
+        Triton's own shutdown (SIGINT) keeps accepting requests until its exit timeout and
+        then exits with requests still in flight; unloading first makes the server refuse
+        new work cleanly and wait for what it accepted. Returns whether every model was
+        unloaded within ``timeout_s`` (False under ``poll`` control, where Triton refuses
+        repository calls).
+        """
+        if self.options.model_control == "poll" or self.pid is None:
+            return False
+        supervisor = Supervisor(lambda: self.pid, self.http_url, headers=self.admin_headers)
+        deadline = time.monotonic() + timeout_s
+        try:
+            loaded = [m for m, state in supervisor.model_states().items() if state in ("READY", "LOADING")]
+            for model in loaded:
+                supervisor.unload(model)
+            while time.monotonic() < deadline:
+                if not any(state in ("READY", "LOADING", "UNLOADING")
+                           for state in supervisor.model_states().values()):
+                    return True
+                time.sleep(0.1)
+        except (OSError, RuntimeError, ValueError):
+            return False  # the server is already going: its own shutdown takes over
+        return False
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """Stop with SIGINT (Triton's graceful shutdown), then SIGKILL after ``timeout_s``."""
+        """Drain (unload every model), then stop with SIGINT (Triton's shutdown), then SIGKILL after ``timeout_s``."""
+        self.stop_supervising()
         process = self._process
         if process is not None:
             if process.poll() is None:
+                self.drain(min(timeout_s, self.options.exit_timeout_s))
                 process.send_signal(signal.SIGINT)
                 try:
                     process.wait(timeout=timeout_s)
@@ -358,29 +499,53 @@ def local_redis_port(url: str) -> int | None:
     return parts.port or 6379
 
 
-def _answers_ping(port: int, timeout_s: float = 0.5) -> bool:
-    """Whether a Redis on loopback ``port`` answers PING (plain RESP over a socket, no client library)."""
+def _answers_ping(port: int, timeout_s: float = 0.5, *, tls_ca_file: Path | None = None) -> bool:
+    """Whether a Redis on loopback ``port`` answers PING (plain RESP over a socket, no client library).
+
+    With ``tls_ca_file`` it speaks TLS and verifies the server against that CA. A Redis
+    that wants a password (``-NOAUTH``) answers too.
+    """
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as raw:
+            sock = raw
+            if tls_ca_file is not None:
+                sock = ssl.create_default_context(cafile=str(tls_ca_file)).wrap_socket(raw, server_hostname="127.0.0.1")
             sock.sendall(b"PING\r\n")
             return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
-    except OSError:
+    except OSError:  # ssl.SSLError is one
         return False
+
+
+@dataclasses.dataclass(frozen=True)
+class RedisTls:
+    """A TLS-only ``redis-server``'s files (PEM): its certificate and key, and the CA clients verify it with."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
 
 
 class RedisServer:
     """A local ``redis-server`` (Debian's package) for the shared cache tier; a context manager.
 
     Runs without persistence, bounded by ``maxmemory`` with LRU eviction: it is a cache,
-    and losing it only costs recomputation.
+    and losing it only costs recomputation. With ``password`` it wants ``AUTH``
+    (``requirepass``); with ``tls`` it speaks only TLS (``rediss://``) on ``port``. The
+    password goes in a config file only its owner can read, removed once the server has
+    read it, never on the command line (``ps`` shows that to every user).
     """
 
-    def __init__(self, port: int | None = None, *, maxmemory: str = "1gb") -> None:
+    def __init__(self, port: int | None = None, *, maxmemory: str = "1gb", password: str | None = None,
+                 tls: RedisTls | None = None) -> None:
         """Prepare (not start) a server on loopback ``port`` (a free one if None).
 
         Raises:
-            LaunchError: If ``redis-server`` is not installed.
+            LaunchError: If ``redis-server`` is not installed, or the password holds a space, quote,
+                backslash or line break (it goes in a config file).
         """
+        if password is not None and (not password or any(c in password for c in "\r\n\"'\\ ")):
+            raise LaunchError("the Redis password must be non-empty, without spaces, quotes, backslashes or line "
+                              "breaks")
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         if not Path(binary).is_file():
             raise LaunchError("redis-server is not installed: `make setup` installs it (Debian: apt-get install "
@@ -388,13 +553,15 @@ class RedisServer:
         self.binary = binary
         self.port = port or free_port()
         self.maxmemory = maxmemory
+        self.tls = tls
+        self._password = password
         self._process: subprocess.Popen[bytes] | None = None
         self._log = Path(tempfile.mkstemp(prefix="coalesce-redis-", suffix=".log")[1])
 
     @property
     def url(self) -> str:
-        """``redis://`` URL of the server."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """``redis://`` (``rediss://`` with TLS) URL of the server; never with the password."""
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 15.0) -> RedisServer:
         """Start it and wait until it answers PING.
@@ -402,8 +569,28 @@ class RedisServer:
         Raises:
             LaunchError: If it exits or does not answer in time; the message has its log.
         """
-        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                   "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--daemonize", "no"]
+        config = None
+        if self._password is not None:
+            handle, name = tempfile.mkstemp(prefix="coalesce-redis-", suffix=".conf")  # mode 0600
+            with os.fdopen(handle, "w") as out:
+                out.write(f"requirepass {self._password}\n")
+            config = Path(name)
+        try:
+            self._start(config, timeout_s)
+        finally:
+            if config is not None:
+                config.unlink(missing_ok=True)  # read at start-up; the password stays nowhere on disk
+        return self
+
+    def _start(self, config: Path | None, timeout_s: float) -> None:
+        command = [self.binary, *([str(config)] if config else []),
+                   "--port", "0" if self.tls else str(self.port), "--bind", "127.0.0.1", "--save", "",
+                   "--appendonly", "no", "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+                   "--daemonize", "no"]
+        if self.tls is not None:
+            command += ["--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert_file),
+                        "--tls-key-file", str(self.tls.key_file), "--tls-ca-cert-file", str(self.tls.ca_file),
+                        "--tls-auth-clients", "no"]
         with self._log.open("ab") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                              preexec_fn=_set_parent_death_signal)
@@ -412,8 +599,8 @@ class RedisServer:
             if self._process.poll() is not None:
                 raise LaunchError(f"redis-server exited with code {self._process.returncode}: "
                                   f"{self._log.read_text(errors='replace')[-2000:]}")
-            if _answers_ping(self.port):
-                return self
+            if _answers_ping(self.port, tls_ca_file=self.tls.ca_file if self.tls else None):
+                return
             time.sleep(0.05)
         self.stop()
         raise LaunchError(f"redis-server on port {self.port} did not answer within {timeout_s:.0f} s")
@@ -446,18 +633,27 @@ class RedisServer:
 def start_local_redis(model_repository: Path) -> list[RedisServer]:
     """Start a ``redis-server`` for each loopback ``redis_url`` of the repository that nothing answers on.
 
-    Remote URLs and Redis servers already running are left alone. The caller stops the
+    Remote URLs and Redis servers already running are left alone. A server started here
+    wants the password the models will send (``COALESCE_REDIS_PASSWORD`` or the file
+    ``COALESCE_REDIS_PASSWORD_FILE`` names), where one is set. The caller stops the
     returned servers.
 
     Raises:
-        LaunchError: If a needed server cannot be started.
+        LaunchError: If a needed server cannot be started, or the password file cannot be read.
     """
+    from coalesce.cache.secrets import read_secrets
+    from coalesce.core.errors import ConfigError
+
     started: list[RedisServer] = []
     try:
         for url in redis_urls(model_repository):
             port = local_redis_port(url)
             if port is not None and not _answers_ping(port):
-                started.append(RedisServer(port).start())
+                try:
+                    password = read_secrets(b"", os.environ).password
+                except ConfigError as exc:
+                    raise LaunchError(str(exc)) from None
+                started.append(RedisServer(port, password=password).start())
     except BaseException:
         for server in started:
             server.stop()
@@ -467,25 +663,28 @@ def start_local_redis(model_repository: Path) -> list[RedisServer]:
 
 def options_from_env(model_repository: Path, *, explicit: bool | None = None,
                      load_models: Sequence[str] = ()) -> ServerOptions:
-    """Options from the environment: ports, model control, Triton's response cache and rate limiter.
+    """Options from the environment: address, ports, model control, admin key, TLS, response cache, rate limiter.
 
-    ``HTTP_PORT``, ``GRPC_PORT``, ``METRICS_PORT``, ``MODEL_CONTROL``, ``RESPONSE_CACHE_BYTES``, ``RATE_LIMIT``.
+    ``HOST`` (default 127.0.0.1), ``HTTP_PORT``, ``GRPC_PORT``, ``METRICS_PORT``, ``HEALTH_PORT`` (the
+    supervisor's ``/ready`` and ``/live``; 0: none), ``MODEL_CONTROL``, ``COALESCE_ADMIN_KEY`` or
+    ``COALESCE_ADMIN_KEY_FILE``, ``GRPC_TLS_CERT`` + ``GRPC_TLS_KEY`` (+ ``GRPC_TLS_CA`` for mutual TLS),
+    ``RESPONSE_CACHE_BYTES``, ``RATE_LIMIT``.
 
     ``RATE_LIMIT`` (``off`` or ``execution_count``) defaults to ``execution_count`` when a
     model of the repository declares ``rate_limiter`` resources or priorities, which
     Triton ignores otherwise.
 
     Raises:
-        LaunchError: On a port or mode that is not valid.
+        LaunchError: On a port, mode or file that is not valid, or an admin API that would be open to the network.
     """
-    def port(name: str, default: int) -> int:
+    def port(name: str, default: int, *, off: bool = False) -> int:
         raw = os.environ.get(name, str(default))
         try:
             value = int(raw)
         except ValueError:
             raise LaunchError(f"{name}={raw!r} is not a port number") from None
-        if not 0 < value < 65536:
-            raise LaunchError(f"{name}={raw!r} is outside 1..65535")
+        if not (0 if off else 1) <= value < 65536:
+            raise LaunchError(f"{name}={raw!r} is outside {0 if off else 1}..65535")
         return value
 
     mode = os.environ.get("MODEL_CONTROL", "none")
@@ -493,16 +692,50 @@ def options_from_env(model_repository: Path, *, explicit: bool | None = None,
         mode = "explicit" if explicit else "none"
     if mode not in ("none", "explicit", "poll"):
         raise LaunchError(f"MODEL_CONTROL={mode!r}: expected none, explicit or poll")
-    loads = tuple(load_models)
-    if mode == "explicit" and not loads:
-        loads = ("*",)  # explicit control still serves the whole repository at start
     raw_cache = os.environ.get("RESPONSE_CACHE_BYTES", "0")
     if not raw_cache.isdigit():
         raise LaunchError(f"RESPONSE_CACHE_BYTES={raw_cache!r}: expected a number of bytes (0 leaves it off)")
     rate_limit = os.environ.get("RATE_LIMIT") or ("execution_count" if uses_rate_limiter(model_repository) else "off")
     if rate_limit not in ("off", "execution_count"):
         raise LaunchError(f"RATE_LIMIT={rate_limit!r}: expected off or execution_count")
+    tls = None
+    if os.environ.get("GRPC_TLS_CERT") or os.environ.get("GRPC_TLS_KEY"):
+        files = {name: os.environ.get(name, "") for name in ("GRPC_TLS_CERT", "GRPC_TLS_KEY")}
+        missing = [f"{name}={value!r}" for name, value in files.items() if not value or not Path(value).is_file()]
+        ca = os.environ.get("GRPC_TLS_CA") or None
+        if ca is not None and not Path(ca).is_file():
+            missing.append(f"GRPC_TLS_CA={ca!r}")
+        if missing:
+            raise LaunchError(f"gRPC TLS needs readable PEM files: {', '.join(missing)} not found")
+        tls = GrpcTls(cert=Path(files["GRPC_TLS_CERT"]), key=Path(files["GRPC_TLS_KEY"]),
+                      ca=Path(ca) if ca else None)
+    health_port = port("HEALTH_PORT", 8003, off=True)
     return ServerOptions(model_repository=model_repository, http_port=port("HTTP_PORT", 8000),
                          grpc_port=port("GRPC_PORT", 8001), metrics_port=port("METRICS_PORT", 8002),
-                         model_control=mode, load_models=loads, response_cache_bytes=int(raw_cache),
-                         rate_limit=rate_limit)
+                         host=os.environ.get("HOST", "127.0.0.1"), model_control=mode,
+                         load_models=tuple(load_models), response_cache_bytes=int(raw_cache),
+                         rate_limit=rate_limit, admin_key=admin_key_from_env(), grpc_tls=tls,
+                         supervisor=SupervisorOptions(health_port=health_port,
+                                                      health_host=os.environ.get("HOST", "127.0.0.1")))
+
+
+def admin_key_from_env() -> str | None:
+    """The admin key: ``$COALESCE_ADMIN_KEY``, else the first line of ``$COALESCE_ADMIN_KEY_FILE``, else None.
+
+    Raises:
+        LaunchError: If the file cannot be read or holds no key.
+    """
+    key = os.environ.get(ADMIN_KEY_ENV, "").strip()
+    if key:
+        return key
+    path = os.environ.get(ADMIN_KEY_FILE_ENV, "")
+    if not path:
+        return None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise LaunchError(f"{ADMIN_KEY_FILE_ENV}={path!r}: cannot read it ({exc.strerror})") from None
+    if not lines or not lines[0].strip():
+        raise LaunchError(f"{ADMIN_KEY_FILE_ENV}={path!r}: the file holds no key")
+    return lines[0].strip()
+

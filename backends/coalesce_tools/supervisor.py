@@ -1,0 +1,293 @@
+"""Bring a model back after its Python-backend stub dies, and say when the server cannot serve.
+
+When a stub process dies (SIGKILL, a segfault, the OOM killer), Triton 2.51 keeps the
+model READY and answers every request with ``Stub process '<instance>' is not healthy.``
+until an operator reloads it. The supervisor runs beside the server (in ``coalesce
+serve`` and in the container) and does that reload itself:
+
+1. every ``interval_s`` it lists the server's stub processes (``/proc``: children of the
+   server whose program is ``triton_python_backend_stub``; the model is the folder of the
+   ``model.py`` they run, the instance their eighth argument);
+2. an instance of a READY model that had a live stub and has none (its stub a zombie,
+   or gone) on ``confirm_scans`` scans in a row marks its model dead;
+3. it unloads the model through the repository API (from then on
+   ``/v2/models/<m>/ready`` is false and new requests get Triton's "unavailable" error
+   rather than a dead stub's), then loads it again from the repository, retrying with
+   back-off until the load succeeds.
+
+The repository API needs explicit model control; the supervisor sends the admin key
+header when the API is restricted. Its own HTTP endpoint (``health_port``) answers
+``/ready`` with 200 only when Triton is ready and no model is dead or being recovered,
+which is what a Kubernetes readiness probe needs: Triton's ``/v2/health/ready`` is 200
+again as soon as a model is unloaded. ``/live`` is 200 while the server process runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Final
+
+STUB_PROGRAM: Final = "triton_python_backend_stub"
+#: Index of the instance name among a stub's arguments (python_backend ``stub_launcher.cc``).
+_STUB_INSTANCE_ARG: Final = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class StubProcess:
+    """One Python-backend stub of the server: which model instance it runs, and whether it is dead."""
+
+    pid: int
+    model: str
+    instance: str
+    dead: bool
+
+
+def stub_processes(server_pid: int, proc: Path = Path("/proc")) -> list[StubProcess]:
+    """The stubs among the children of ``server_pid``; a zombie (exited, not yet reaped) counts as dead."""
+    found: list[StubProcess] = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited between the listing and the read
+        # ``pid (comm) state ppid ...``: comm may hold spaces and parentheses, so split after the last ')'.
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) < 2 or int(fields[1]) != server_pid:
+            continue
+        state = fields[0]
+        comm = stat[stat.find("(") + 1:stat.rfind(")")]
+        if state == "Z":
+            # A zombie's cmdline is empty: the stub's comm (truncated to 15 characters) still names it.
+            if STUB_PROGRAM.startswith(comm):
+                found.append(StubProcess(pid=int(entry.name), model="", instance="", dead=True))
+            continue
+        args = [a.decode(errors="replace") for a in argv if a]
+        if not args or not args[0].endswith(STUB_PROGRAM) or len(args) <= _STUB_INSTANCE_ARG:
+            continue
+        model = Path(args[1]).parent.parent.name  # <repository>/<model>/<version>/model.py
+        found.append(StubProcess(pid=int(entry.name), model=model, instance=args[_STUB_INSTANCE_ARG], dead=False))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisorOptions:
+    """How often to look, how sure to be, how long a load may take, where to answer health probes."""
+
+    #: Seconds between two scans of the stubs.
+    interval_s: float = 1.0
+    #: Scans in a row on which a stub must be dead before its model is reloaded (a stub that
+    #: exits during a normal unload is reaped at once, so it is never seen twice).
+    confirm_scans: int = 2
+    #: Seconds one load through the repository API may take.
+    load_timeout_s: float = 300.0
+    #: First and largest pause between two failed loads.
+    retry_first_s: float = 1.0
+    retry_max_s: float = 30.0
+    #: Port of the supervisor's own ``/ready`` and ``/live``; 0: none.
+    health_port: int = 0
+    health_host: str = "127.0.0.1"
+
+
+class Supervisor:
+    """Watches one server's stubs and reloads a model whose stub died; a context manager (a daemon thread)."""
+
+    def __init__(self, server_pid: Callable[[], int | None], http_url: str, *,
+                 headers: Mapping[str, str] | None = None, options: SupervisorOptions | None = None,
+                 log: Callable[[str], None] = lambda line: None) -> None:
+        """Prepare (not start) supervision of the server whose pid ``server_pid()`` gives, at ``http_url``."""
+        self.options = options or SupervisorOptions()
+        self._server_pid = server_pid
+        self._base = f"http://{http_url}"
+        self._headers = dict(headers or {})
+        self._log = log
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._health: http.server.ThreadingHTTPServer | None = None
+        self._lock = threading.Lock()
+        self._recovering: set[str] = set()
+        #: Per model: the instance names seen alive while it was READY.
+        self._seen: dict[str, set[str]] = {}
+        #: (model, instance) → scans in a row on which it had no live stub.
+        self._suspect: dict[tuple[str, str], int] = {}
+        #: Models reloaded since start, in order (for logs and tests).
+        self.recoveries: list[tuple[str, float]] = []
+
+    # --- the repository API ------------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, body: bytes | None = None, timeout_s: float = 5.0) -> tuple[int, bytes]:
+        request = urllib.request.Request(self._base + path, data=body, method=method, headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def model_states(self) -> dict[str, str]:
+        """Each model of the repository index and its state (``READY``, ``UNAVAILABLE``, ``LOADING``...)."""
+        status, body = self._call("POST", "/v2/repository/index", b"{}")
+        if status != 200:
+            raise RuntimeError(f"repository index answered {status}: {body[:200]!r}")
+        states: dict[str, str] = {}
+        for entry in json.loads(body):
+            # Several versions: READY if any version is.
+            if states.get(entry["name"]) != "READY":
+                states[entry["name"]] = entry.get("state", "")
+        return states
+
+    def unload(self, model: str) -> None:
+        """Ask Triton to unload ``model`` (it answers at once; the model is UNLOADING until its requests finish)."""
+        status, body = self._call("POST", f"/v2/repository/models/{model}/unload",
+                                  json.dumps({"parameters": {"unload_dependents": False}}).encode())
+        if status != 200:
+            self._log(f"coalesce supervisor: unloading '{model}' answered {status}: {body[:200]!r}")
+
+    # --- detection -------------------------------------------------------------------------------------------------
+
+    def dead_models(self) -> set[str]:
+        """One scan: the models with a stub dead on ``confirm_scans`` scans in a row."""
+        pid = self._server_pid()
+        if pid is None:
+            return set()
+        stubs = stub_processes(pid)
+        states = self.model_states()
+        live: dict[str, set[str]] = {}
+        for stub in stubs:
+            if not stub.dead:  # a zombie names no model; its instance is missing from ``live`` below
+                live.setdefault(stub.model, set()).add(stub.instance)
+        suspects: dict[tuple[str, str], int] = {}
+        dead: set[str] = set()
+        for model, state in states.items():
+            if state != "READY" or model in self._recovering:
+                self._seen.pop(model, None)
+                continue
+            seen = self._seen.setdefault(model, set())
+            seen |= live.get(model, set())
+            for instance in seen - live.get(model, set()):
+                suspects[model, instance] = self._suspect.get((model, instance), 0) + 1
+                if suspects[model, instance] >= self.options.confirm_scans:
+                    dead.add(model)
+        self._suspect = suspects
+        return dead
+
+    # --- recovery --------------------------------------------------------------------------------------------------
+
+    def recover(self, model: str) -> None:
+        """Unload ``model`` (readiness false at once), then load it again until a load succeeds or we stop."""
+        started = time.monotonic()
+        self._log(f"coalesce supervisor: a stub of model '{model}' died; unloading and loading it again")
+        self.unload(model)
+        pause_s = self.options.retry_first_s
+        while not self._stop.is_set():
+            try:
+                status, body = self._call("POST", f"/v2/repository/models/{model}/load", b"{}",
+                                          timeout_s=self.options.load_timeout_s)
+            except (OSError, urllib.error.URLError) as exc:
+                status, body = 0, repr(exc).encode()
+            if status == 200:
+                elapsed_s = time.monotonic() - started
+                self.recoveries.append((model, elapsed_s))
+                self._log(f"coalesce supervisor: model '{model}' is serving again ({elapsed_s:.1f} s after "
+                          "its stub was found dead)")
+                return
+            self._log(f"coalesce supervisor: loading '{model}' failed ({status}: {body[:300]!r}); "
+                      f"trying again in {pause_s:.0f} s")
+            self._stop.wait(pause_s)
+            pause_s = min(pause_s * 2, self.options.retry_max_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.options.interval_s):
+            try:
+                dead = self.dead_models()
+            except (OSError, RuntimeError, ValueError, urllib.error.URLError) as exc:
+                # The server is starting, stopping or busy: look again next interval.
+                self._log_once(f"coalesce supervisor: scan failed: {exc!r}")
+                continue
+            for model in sorted(dead):
+                with self._lock:
+                    self._recovering.add(model)
+                try:
+                    self.recover(model)
+                finally:
+                    with self._lock:
+                        self._recovering.discard(model)
+                    self._seen.pop(model, None)
+                    self._suspect = {}
+
+    _last_logged: str = ""
+
+    def _log_once(self, line: str) -> None:
+        if line != self._last_logged:
+            self._last_logged = line
+            self._log(line)
+
+    # --- health ----------------------------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """Whether the server can serve every model: Triton ready, no model dead or being reloaded."""
+        with self._lock:
+            if self._recovering:
+                return False
+        if self._server_pid() is None or any(count for count in self._suspect.values()):
+            return False
+        try:
+            return self._call("GET", "/v2/health/ready", timeout_s=2.0)[0] == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def _serve_health(self) -> None:
+        supervisor = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.startswith("/ready"):
+                    ok = supervisor.ready()
+                elif self.path.startswith("/live"):
+                    ok = supervisor._server_pid() is not None
+                else:
+                    self.send_error(404, "try /ready or /live")
+                    return
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: object) -> None:
+                return  # probes every few seconds would flood the log
+
+        self._health = http.server.ThreadingHTTPServer((self.options.health_host, self.options.health_port),
+                                                       Handler)
+        self._health.daemon_threads = True
+        threading.Thread(target=self._health.serve_forever, name="coalesce-health", daemon=True).start()
+
+    def start(self) -> Supervisor:
+        """Start scanning (and answering health probes, when ``health_port`` is set)."""
+        if self.options.health_port:
+            self._serve_health()
+        self._thread = threading.Thread(target=self._run, name="coalesce-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop scanning and answering probes; a reload under way is not waited for past its current call."""
+        self._stop.set()
+        if self._health is not None:
+            self._health.shutdown()
+            self._health.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=self.options.interval_s + 5)
+
+    def __enter__(self) -> Supervisor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
