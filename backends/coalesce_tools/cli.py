@@ -135,11 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="coalesce", description="Coalesce: dynamic batching that pays off.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start tritonserver on a model repository with the coalesce backend",
-                           description="Ports come from HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002); "
-                                       "MODEL_CONTROL=explicit (or --explicit) enables the repository API.")
+                           description="Binds HOST (127.0.0.1); ports HTTP_PORT, GRPC_PORT, METRICS_PORT, HEALTH_PORT "
+                                       "(8000, 8001, 8002, 8003: the supervisor's /ready and /live). "
+                                       "MODEL_CONTROL=explicit (or --explicit) opens the repository API to holders "
+                                       "of COALESCE_ADMIN_KEY (or COALESCE_ADMIN_KEY_FILE); required off loopback. "
+                                       "GRPC_TLS_CERT, GRPC_TLS_KEY (+ GRPC_TLS_CA: mutual) turn on gRPC TLS.")
     serve.add_argument("--model-repository", type=Path, default=Path("model_repository"))
     serve.add_argument("--explicit", action="store_true", help="explicit model control (load/unload over the API)")
-    serve.add_argument("--load-model", action="append", help="model to load at start in explicit mode (repeatable)")
+    serve.add_argument("--load-model", action="append", help="model to load at start (repeatable; default: all)")
     serve.add_argument("--quiet", action="store_true", help="do not echo the server log")
     serve.set_defaults(func=_serve)
     export = sub.add_parser("export", help="export a Hugging Face folder (or an example model's recipe) to ONNX",

@@ -245,6 +245,24 @@ class TritonServer:
         self._admin_key = o.admin_key or (secrets.token_urlsafe(32) if o.model_control != "explicit" else None)
 
     @property
+    def backend_directory(self) -> Path:
+        """``--backend-directory``: assembled from this checkout, else the installation's (a container's).
+
+        In a container the Dockerfile copies ``model.py`` and the ``coalesce`` package to
+        ``/opt/tritonserver/backends/coalesce``, and the installed tools have no source tree beside them.
+
+        Raises:
+            LaunchError: If neither has the backend.
+        """
+        if (BACKEND_SOURCE / "model.py").is_file():
+            return self._workdir / "backends"
+        installed = self.install.python_backend.parent
+        if (installed / "coalesce" / "model.py").is_file():
+            return installed
+        raise LaunchError(f"no coalesce backend found: neither {BACKEND_SOURCE / 'model.py'} (a checkout) nor "
+                          f"{installed / 'coalesce' / 'model.py'} (an installation, see the Dockerfile)")
+
+    @property
     def _connect_host(self) -> str:
         host = self.options.host
         return "127.0.0.1" if host in ("0.0.0.0", "::", "") or is_loopback(host) else host
@@ -286,7 +304,7 @@ class TritonServer:
         args = [
             str(self.install.server),
             f"--model-repository={o.model_repository.resolve()}",
-            f"--backend-directory={self._workdir / 'backends'}",
+            f"--backend-directory={self.backend_directory}",
             f"--http-address={o.host}", f"--grpc-address={o.host}", f"--metrics-address={o.host}",
             f"--http-port={o.http_port}", f"--grpc-port={o.grpc_port}", f"--metrics-port={o.metrics_port}",
             # Explicit control under ``none`` too (with the admin APIs closed): the supervisor reloads through it.
@@ -325,7 +343,8 @@ class TritonServer:
         Raises:
             LaunchError: If it exits or is not ready in time; the message has its last log lines.
         """
-        assemble_backend_dir(self.install, self._workdir / "backends")
+        if self.backend_directory == self._workdir / "backends":
+            assemble_backend_dir(self.install, self.backend_directory)
         self._process = subprocess.Popen(
             self.command(), env=self.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, errors="replace", bufsize=1, start_new_session=True,
