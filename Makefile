@@ -11,8 +11,10 @@ P99_MS ?= 200
 TUNE_ARGS ?=
 EVAL_ARGS ?=
 TUNE_PROFILE ?= queries
+SOAK_S ?= 600
+SOAK_ARGS ?=
 
-.PHONY: setup serve test unit integration lint lock clean bench bench-shared bench-neighbours eval-adaptive load tune
+.PHONY: setup serve test unit integration lint lock clean bench bench-shared bench-neighbours eval-adaptive load tune soak
 
 setup:                 ## venv, pinned packages, OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -39,6 +41,10 @@ bench-neighbours:      ## one model at 2x capacity beside light ones, by isolati
 eval-adaptive:         ## adaptive scheduling vs the best static config coalesce tune finds for the same p99 (EVAL_ARGS); writes perf/results/adaptive-*
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.adaptive $(EVAL_ARGS)
+
+soak:                  ## SOAK_S seconds (600) of mixed load, bad inputs, Redis restarted twice, a stub killed; writes perf/results/soak-*
+	@bash scripts/setup.sh
+	$(BIN)/python -m perf.soak --duration-s $(SOAK_S) $(SOAK_ARGS)
 
 load:                  ## Locust, headless: steady/poisson/burst/ramp over gRPC and HTTP; writes perf/results/load-*
 	@bash scripts/setup.sh
