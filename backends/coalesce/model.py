@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from coalesce.batching.pipeline import RequestResult
 from coalesce.core.errors import CoalesceError, RuntimeFailure
+from coalesce.core.limits import check_request_bytes
 from coalesce.core.tensors import TensorSpec
 from coalesce.loader import complete_config, load_pipeline, read_settings
 from coalesce.observability.log import Logger
@@ -101,6 +102,7 @@ class TritonPythonModel:
             auto_complete_model_config.set_max_batch_size(completion.max_batch_size)
         if "sequence_batching" not in config and "ensemble_scheduling" not in config:
             auto_complete_model_config.set_dynamic_batching()
+            _bound_triton_queue(auto_complete_model_config, completion.max_queue_size)
         logger = Logger(str(config.get("name", "model")), pb_utils.Logger)
         for note in completion.notes:
             logger.info(note)
@@ -173,26 +175,29 @@ class TritonPythonModel:
         # and destroying a Triton request there crashes the stub (see ``errors.as_result``).
         gc.collect()
 
-    def _tensors(self, request: Any, *, kept: bool = False) -> dict[str, np.ndarray]:
-        """The request's inputs by name, as numpy (absent optional inputs left out).
-
-        With ``kept`` (adaptive scheduling: rows outlive ``execute``) numeric tensors are
-        copied out of the request's shared memory, so they never depend on how long the
-        server keeps it; within ``execute`` the request's own memory serves.
-        """
+    def _tensors(self, request: Any) -> dict[str, np.ndarray]:
+        """The request's inputs by name, as numpy (absent optional inputs left out), in the request's own memory."""
         tensors: dict[str, np.ndarray] = {}
         for spec in self._inputs:
             tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
-            if tensor is None:
-                continue
-            array = tensor.as_numpy()
-            tensors[spec.name] = np.array(array, copy=True) if kept and array.dtype != np.object_ else array
+            if tensor is not None:
+                tensors[spec.name] = tensor.as_numpy()
         return tensors
 
     def _submission(self, request: Any) -> Submission:
-        """Hand one request to the adaptive scheduler: its tensors, parameters, timeout and response sender."""
+        """Hand one request to the adaptive scheduler: its tensors, parameters, timeout and response sender.
+
+        Rows outlive ``execute`` here, so numeric tensors are copied out of the request's
+        shared memory (never depending on how long the server keeps it), once the
+        request is known to be within ``max_request_bytes``.
+        """
         respond = _Responder(request)
-        tensors = self._tensors(request, kept=True)
+        tensors = self._tensors(request)
+        oversize = check_request_bytes(tensors, self._pipeline.max_request_bytes)
+        if oversize is not None:
+            return Submission(tensors=oversize, respond=respond)
+        tensors = {name: array if array.dtype == np.object_ else np.array(array, copy=True)
+                   for name, array in tensors.items()}
         parameters = read_parameters(request.parameters())
         if isinstance(parameters, CoalesceError):
             return Submission(tensors=parameters, respond=respond)
@@ -216,6 +221,20 @@ def _allow_ragged_batch(model_config: Any, names: Sequence[str]) -> None:
     for entry in config.get("input", []):
         if entry.get("name") in names:
             entry["allow_ragged_batch"] = True
+
+
+def _bound_triton_queue(model_config: Any, max_queue_size: int | None) -> None:
+    """Give Triton's dynamic batcher a bounded queue (``default_queue_policy.max_queue_size``) where none is set.
+
+    ``ModelConfig`` has no setter for it; the completed config is the object's
+    ``_model_config`` dict, sent back as it is (as in ``_allow_ragged_batch``).
+    """
+    config = getattr(model_config, "_model_config", None)
+    if not max_queue_size or not isinstance(config, dict) or not isinstance(config.get("dynamic_batching"), dict):
+        return
+    policy = config["dynamic_batching"].setdefault("default_queue_policy", {})
+    if not int(policy.get("max_queue_size", 0) or 0):
+        policy["max_queue_size"] = max_queue_size
 
 
 def _bls_call(model: str, version: str, inputs: Mapping[str, np.ndarray],

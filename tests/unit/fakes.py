@@ -167,7 +167,8 @@ def make_pipeline(config: Mapping[str, Any], version_dir: Path | None, runtime: 
     recorded, factory = pipeline_metrics or metrics()
     cached = cache is not None or shared is not None
     pipeline = Pipeline(task, runtime, settings.planner, recorded, cost_model=cost_model, cache=cache,
-                        shared=shared, fingerprint=FINGERPRINT if cached else b"", model_name=settings.model_name)
+                        shared=shared, fingerprint=FINGERPRINT if cached else b"", model_name=settings.model_name,
+                        max_request_bytes=settings.task.max_request_bytes)
     return pipeline, factory
 
 

@@ -12,7 +12,15 @@ from coalesce.batching import costmodel
 from coalesce.batching.costmodel import CALIBRATION_REPEATS, CALIBRATION_SHAPES, CostModel
 from coalesce.cache.keys import file_digest
 from coalesce.core.errors import ConfigError
-from coalesce.loader import BLS_DEFAULT_COST, DEFAULT_MAX_BATCH_SIZE, complete_config, load_pipeline, read_settings
+from coalesce.loader import (
+    BLS_DEFAULT_COST,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_QUEUE_SIZE,
+    complete_config,
+    load_pipeline,
+    read_settings,
+    triton_queue_bounded,
+)
 from coalesce.observability.log import Logger
 from coalesce.runtimes import RuntimeChoice
 from tests.conftest import EXAMPLE_MODELS, REPOSITORY, built, model_config
@@ -68,7 +76,18 @@ def test_the_digits_config_is_completed_from_its_graph():
     assert specs(completion.inputs) == [{"name": "image", "data_type": "TYPE_FP32", "dims": [8, 8]}]
     assert specs(completion.outputs) == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}]
     assert completion.max_batch_size is None  # the config says 256
-    assert completion.notes == ["auto-completed input image TYPE_FP32 [8, 8], output logits TYPE_FP32 [10]"]
+    assert completion.max_queue_size == DEFAULT_MAX_QUEUE_SIZE  # its config bounds no queue
+    assert completion.notes == ["auto-completed input image TYPE_FP32 [8, 8], output logits TYPE_FP32 [10], "
+                                "dynamic_batching max_queue_size 256"]
+
+
+def test_triton_queue_is_bounded_only_where_the_config_bounds_none():
+    bounded = {"dynamic_batching": {"default_queue_policy": {"max_queue_size": "32"}}}
+    assert triton_queue_bounded(bounded)
+    assert not triton_queue_bounded({"dynamic_batching": {"default_queue_policy": {"max_queue_size": "0"}}})
+    assert not triton_queue_bounded({})
+    assert triton_queue_bounded({"sequence_batching": {}})
+    assert complete_config({**model_config("minilm"), **bounded}, None).max_queue_size is None
 
 
 def test_a_minimal_config_gets_a_row_limit():
@@ -76,8 +95,9 @@ def test_a_minimal_config_gets_a_row_limit():
     completion = complete_config(minimal, built("digits"))
     assert completion.max_batch_size == DEFAULT_MAX_BATCH_SIZE == 64
     assert completion.notes == ["auto-completed input image TYPE_FP32 [8, 8], output logits TYPE_FP32 [10], "
-                                "max_batch_size 64"]
-    assert complete_config(minimal, None).notes == ["auto-completed max_batch_size 64"]
+                                "max_batch_size 64, dynamic_batching max_queue_size 256"]
+    assert complete_config(minimal, None).notes == ["auto-completed max_batch_size 64, dynamic_batching "
+                                                    "max_queue_size 256"]
 
 
 def test_symbolic_dims_of_a_tensor_graph_become_variable_and_the_mask_optional():
@@ -118,7 +138,7 @@ def test_an_unreadable_graph_is_noted_and_the_load_says_the_rest(tmp_path):
     config = {"name": "broken", "max_batch_size": 8, "parameters": {"task": {"string_value": "tensor"}}}
     completion = complete_config(config, tmp_path)
     assert (completion.inputs, completion.outputs) == ([], [])
-    assert len(completion.notes) == 1
+    assert len(completion.notes) == 2  # and the queue bound it adds
     assert completion.notes[0].startswith(f"could not read the graph to complete the config: cannot load ONNX model "
                                           f"{tmp_path / 'model.onnx'}: ")
     with pytest.raises(ConfigError, match=r"^model 'broken': task 'tensor' needs the config to declare its inputs"):

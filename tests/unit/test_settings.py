@@ -195,3 +195,37 @@ def test_the_settings_module_imports_nothing_of_ours():
             "print(sorted(m for m in sys.modules if m.startswith('coalesce') and m != 'coalesce.settings'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['coalesce']"
+
+
+@pytest.mark.parametrize("key", ["tokenizer_file", "onnx_file", "engine_file", "torch_model_dir"])
+@pytest.mark.parametrize(("value", "why"), [
+    ("../other/model.onnx", "must stay inside the version folder ('..' is refused)"),
+    ("sub/../../x", "must stay inside the version folder ('..' is refused)"),
+    ("..\\x", "must stay inside the version folder ('..' is refused)"),
+    ("/etc/passwd", "must be relative to the version folder, not an absolute path"),
+    ("\\\\host\\share\\m.onnx", "must be relative to the version folder, not an absolute path"),
+    ("C:\\models\\m.onnx", "must be relative to the version folder, not an absolute path"),
+])
+def test_file_parameters_stay_inside_the_version_folder(key, value, why):
+    config = {"name": "m", "max_batch_size": 8, "parameters": {key: {"string_value": value}}}
+    with pytest.raises(SettingsError) as info:
+        ModelSettings.from_model_config(config)
+    assert str(info.value) == f"model 'm': parameter '{key}' has bad value '{value}': {why}"
+
+
+@pytest.mark.parametrize("value", ["model.onnx", "sub/model.onnx", "..hidden.onnx", "a..b/model.onnx"])
+def test_relative_file_names_inside_the_version_folder_are_accepted(value):
+    assert ModelSettings.from_parameters({"onnx_file": value}).runtime.onnx_file == value
+
+
+def test_limits_parse_with_their_defaults():
+    settings = ModelSettings.from_parameters({})
+    assert settings.task.max_request_bytes == 4 << 20
+    assert settings.text.text_bytes_per_token == 64
+    assert settings.scheduler.max_queue_bytes == 64 << 20
+    changed = ModelSettings.from_parameters({"max_request_bytes": "1024", "text_bytes_per_token": "0",
+                                             "max_queue_bytes": "4096"})
+    assert (changed.task.max_request_bytes, changed.text.text_bytes_per_token,
+            changed.scheduler.max_queue_bytes) == (1024, 0, 4096)
+    with pytest.raises(SettingsError, match="parameter 'max_request_bytes' has bad value '0': must be >= 1"):
+        ModelSettings.from_parameters({"max_request_bytes": "0"})

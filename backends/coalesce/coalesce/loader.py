@@ -32,6 +32,9 @@ from coalesce.tasks import create_task, task_type
 BLS_DEFAULT_COST: Final = "0.003,0.000002,0"
 #: ``max_batch_size`` auto-completion gives a model that declares none (the backend needs batching).
 DEFAULT_MAX_BATCH_SIZE: Final = 64
+#: Requests Triton's dynamic batcher may hold for a model whose config bounds none: past it Triton
+#: answers UNAVAILABLE at once, so a flood cannot pile up requests (and their bodies) in the server.
+DEFAULT_MAX_QUEUE_SIZE: Final = 256
 
 
 def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str = "1",
@@ -63,7 +66,7 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
     cache_options = settings.cache
     if not cache_options.enabled:
         return Pipeline(task, choice.runtime, settings.planner, metrics, logger, cost_model=cost_model,
-                        cost_samples=samples, model_name=name)
+                        cost_samples=samples, model_name=name, max_request_bytes=settings.task.max_request_bytes)
     start = time.perf_counter()
     fingerprint = output_fingerprint({
         "model": name, "version": version, **task.fingerprint(),
@@ -78,7 +81,8 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
                 f"fingerprint {fingerprint.hex()[:16]} (files hashed in {time.perf_counter() - start:.2f} s)")
     return Pipeline(task, choice.runtime, settings.planner, metrics, logger, cost_model=cost_model,
                     cost_samples=samples, cache=RowCache(cache_options.cache_bytes, ttl_s=cache_options.cache_ttl_s),
-                    shared=shared, fingerprint=fingerprint, model_name=name)
+                    shared=shared, fingerprint=fingerprint, model_name=name,
+                    max_request_bytes=settings.task.max_request_bytes)
 
 
 def read_settings(config: Mapping[str, Any]) -> ModelSettings:
@@ -135,6 +139,8 @@ class Completion:
     outputs: list[TensorSpec]
     max_batch_size: int | None
     notes: list[str]
+    #: ``dynamic_batching.default_queue_policy.max_queue_size`` to set, where the config bounds none.
+    max_queue_size: int | None = None
 
 
 def complete_config(config: Mapping[str, Any], version_dir: Path | None) -> Completion:
@@ -159,9 +165,20 @@ def complete_config(config: Mapping[str, Any], version_dir: Path | None) -> Comp
             notes.append(f"could not read the graph to complete the config: {exc}")
     inputs, outputs = task_type(settings).complete(config, graph)
     max_batch = None if settings.max_batch_size > 0 else DEFAULT_MAX_BATCH_SIZE
-    if inputs or outputs or max_batch:
+    queue_size = None if triton_queue_bounded(config) else DEFAULT_MAX_QUEUE_SIZE
+    if inputs or outputs or max_batch or queue_size:
         notes.append("auto-completed " + ", ".join(
             [*(f"input {t.name} {t.data_type} {list(t.dims)}" for t in inputs),
              *(f"output {t.name} {t.data_type} {list(t.dims)}" for t in outputs),
-             *([f"max_batch_size {max_batch}"] if max_batch else [])]))
-    return Completion(inputs=inputs, outputs=outputs, max_batch_size=max_batch, notes=notes)
+             *([f"max_batch_size {max_batch}"] if max_batch else []),
+             *([f"dynamic_batching max_queue_size {queue_size}"] if queue_size else [])]))
+    return Completion(inputs=inputs, outputs=outputs, max_batch_size=max_batch, notes=notes,
+                      max_queue_size=queue_size)
+
+
+def triton_queue_bounded(config: Mapping[str, Any]) -> bool:
+    """Whether the config bounds Triton's queue itself, or uses a scheduler other than the dynamic batcher."""
+    if "sequence_batching" in config or "ensemble_scheduling" in config:
+        return True
+    policy = (config.get("dynamic_batching") or {}).get("default_queue_policy") or {}
+    return int(policy.get("max_queue_size", 0) or 0) > 0

@@ -25,6 +25,8 @@ ACTIVATION_CHOICES: Final = ("none", "sigmoid", "softmax")
 PLANNER_CHOICES: Final = ("dp", "greedy")
 SCHEDULING_CHOICES: Final = ("triton", "adaptive")
 REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
+#: Parameters naming a file or folder of the model's version folder: each must stay inside it.
+FILE_PARAMETERS: Final = ("tokenizer_file", "onnx_file", "engine_file", "torch_model_dir")
 #: Per-input parameter of the tensor task: ``pad_value:<input name>``.
 PAD_VALUE_PREFIX: Final = "pad_value:"
 _TRUE: Final = frozenset({"true", "1", "yes", "on"})
@@ -58,6 +60,10 @@ class TaskOptions:
     max_sequence_length: int = _spec(
         256, "Longest row in positions: text tasks truncate to this many tokens (special tokens included); the "
         "tensor task refuses rows whose variable dim is longer.", low=1, high=1 << 20)
+    max_request_bytes: int = _spec(
+        4_194_304, "Largest accepted request in bytes (every input tensor's bytes; for TYPE_STRING inputs, the "
+        "sum of their items' lengths), checked before any other work; a larger one gets INVALID_ARG naming the "
+        "limit and its size.", low=1, high=1 << 40)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +75,10 @@ class TextOptions:
     tokenizer_file: str = _spec("tokenizer.json", "Hugging Face `tokenizers` file, relative to the version folder.")
     max_text_bytes: int = _spec(1_048_576, "Largest accepted text in bytes; a larger one gets INVALID_ARG.",
                                 low=1, high=1 << 30)
+    text_bytes_per_token: int = _spec(
+        64, "Before tokenising, each text is cut at a UTF-8 boundary after max_sequence_length x this many bytes "
+        "(truncation keeps fewer tokens than such a text holds, so the tokenizer never works through the rest); "
+        "0: never cut.", low=0, high=1 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +218,9 @@ class SchedulerOptions:
         "shorter, wins. Requests that cannot meet it are refused at once with UNAVAILABLE.", low=1.0, high=3_600_000.0)
     max_queue_rows: int = _spec(4096, "Adaptive: most rows queued; past it requests get UNAVAILABLE.",
                                 low=1, high=1 << 24)
+    max_queue_bytes: int = _spec(
+        67_108_864, "Adaptive: most bytes of requests queued (their inputs as sent, see max_request_bytes); "
+        "past it requests get UNAVAILABLE.", low=1, high=1 << 40)
     max_dispatch_rows: int = _spec(
         64, "Adaptive: most rows the scheduler runs together (the planner still cuts them into passes of at "
         "most max_batch_rows).", low=1, high=65536)
@@ -330,6 +343,11 @@ class ModelSettings:
     def _check_consistency(self) -> None:
         where = f"model '{self.model_name}'"
         planner, cache = self.planner, self.cache
+        for key in FILE_PARAMETERS:
+            value = getattr(self.text if key == "tokenizer_file" else self.runtime, key)
+            why = inside_version_folder(value)
+            if why:
+                raise SettingsError(f"{where}: parameter '{key}' has bad value '{value}': {why}")
         try:
             planner.cost_coefficients  # noqa: B018 - parses it
         except ValueError:
@@ -364,6 +382,21 @@ def config_parameters(config: Mapping[str, Any]) -> dict[str, str]:
     raw = config.get("parameters") or {}
     return {key: str(value.get("string_value", "")) if isinstance(value, Mapping) else str(value)
             for key, value in raw.items()}
+
+
+def inside_version_folder(name: str) -> str:
+    """Why ``name`` may not name a file of the model's version folder, or ``""`` when it may.
+
+    A relative path without ``..``: parameters can come from a model-load request
+    (``POST /v2/repository/models/<m>/load`` with a config), and must not reach files
+    outside the model's own folder. A leading slash or backslash, or a drive letter, makes a path absolute.
+    """
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\")) or (name[:1].isalpha() and name[1:2] == ":"):
+        return "must be relative to the version folder, not an absolute path"
+    if ".." in parts:
+        return "must stay inside the version folder ('..' is refused)"
+    return ""
 
 
 def parse_cost_model(text: str) -> tuple[float, float, float]:

@@ -287,3 +287,34 @@ def test_an_explicit_torch_runtime_serves_the_same_outputs(name):
     assert not isinstance(got, CoalesceError)
     for output in want:
         np.testing.assert_allclose(got[output], want[output], atol=1e-5)
+
+
+def test_the_torch_runtime_loads_only_safetensors(tmp_path):
+    from coalesce.runtimes.torch_runtime import check_safetensors
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"a pickle")
+    (tmp_path / "extra.pt").write_bytes(b"another")
+    with pytest.raises(ConfigError) as info:
+        check_safetensors(tmp_path)
+    assert str(info.value) == (
+        f"torch runtime: weights in {tmp_path} must be safetensors (model.safetensors); it holds pickled weights "
+        "['extra.pt', 'pytorch_model.bin'], which are never loaded. Convert them (`coalesce export` writes "
+        "safetensors)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="it holds none"):
+        check_safetensors(empty)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    check_safetensors(tmp_path)  # safetensors present: the pickles beside them are never read
+
+
+def test_a_torch_runtime_over_pickled_weights_fails_before_loading_them(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from coalesce.runtimes.torch_runtime import TorchRuntime
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(ConfigError, match="must be safetensors"):
+        TorchRuntime(tmp_path)

@@ -353,3 +353,167 @@ def test_tensor_rows_of_every_length_are_scheduled_and_answered():
             assert np.array_equal(answered.results[i][output], alone[output])
     assert factory.value("coalesce_tenant_rows_total") == sum(len(r["x"]) for r in requests.values())
     scheduler.close()
+
+
+def thread_scheduler(runtime=None, **parameters):
+    """A scheduler whose every dispatch runs on its own thread (never inline in ``submit``)."""
+    parameters = {"scheduling": "adaptive", "target_p99_ms": 60_000, **parameters}
+    pipeline, factory = embedding_pipeline(runtime, **parameters)
+    settings = ModelSettings.from_model_config(model_config("minilm", **parameters))
+    config = dataclasses.replace(scheduler_config(settings), inline_share=0.0, cancel_check_share=0.0,
+                                 cancel_check_wait_s=60.0)
+    return AdaptiveScheduler(pipeline, config, SchedulerMetrics(factory, model="m", version="1")), factory
+
+
+def test_queue_bound_in_bytes_refuses_saying_how_many_bytes_it_holds():
+    gate, started = threading.Event(), threading.Event()
+
+    class HeldRuntime(EncoderRuntime):
+        def compute(self, feeds):
+            started.set()
+            gate.wait(10)
+            return super().compute(feeds)
+
+    scheduler, factory = thread_scheduler(HeldRuntime(), max_queue_bytes=250, max_dispatch_rows=1)
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("x" * 10), respond=answered.responder("running"))])
+    assert started.wait(10)  # the executor is held: what follows stays queued
+    submit(scheduler, [Submission(tensors=text_request("a" * 100), respond=answered.responder(i)) for i in (1, 2)])
+    submit(scheduler, [Submission(tensors=text_request("b" * 100), respond=answered.responder("over"))])
+    answered.wait(1)
+    error = answered.results["over"]
+    assert isinstance(error, UnavailableError) and error.code == "UNAVAILABLE"
+    assert str(error) == ("request refused: queue holds 200 bytes, and this request's 100 would pass the limit of "
+                          "250 (parameter 'max_queue_bytes'); retry later")
+    assert factory.value("coalesce_rejections_total", reason="queue_full") == 1
+    assert scheduler.queue.size_bytes == 200
+    gate.set()
+    answered.wait(4)
+    assert all(answered.results[k]["EMBEDDING"].shape == (1, DIM) for k in ("running", 1, 2))
+    assert scheduler.queue.size_bytes == 0
+    scheduler.close()
+
+
+def test_the_adaptive_path_refuses_an_oversized_request_before_reading_it():
+    scheduler, _ = thread_scheduler(max_request_bytes=64)
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request(b"\xff" * 65), respond=answered.responder("big")),
+                       Submission(tensors=text_request("small"), respond=answered.responder("small"))])
+    answered.wait(2)
+    assert str(answered.results["big"]).startswith("request is 65 bytes, over the model's limit of 64 bytes")
+    assert answered.results["small"]["EMBEDDING"].shape == (1, DIM)
+    scheduler.close()
+
+
+def test_a_dispatch_whose_runtime_raises_answers_internal_and_later_requests_are_served():
+    failed = []
+
+    def once(feeds):
+        if not failed:
+            failed.append(True)
+            return True
+        return False
+
+    class BrokenOnce(EncoderRuntime):
+        def run(self, feeds, outputs):
+            if once(feeds):
+                raise ZeroDivisionError("a bug in a runtime")  # not a CoalesceError: escapes the pipeline
+            return super().run(feeds, outputs)
+
+    scheduler, _ = thread_scheduler(BrokenOnce())
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("first"), respond=answered.responder("first"))])
+    answered.wait(1)
+    error = answered.results["first"]
+    assert isinstance(error, CoalesceError) and error.code == "INTERNAL"
+    submit(scheduler, [Submission(tensors=text_request(f"later {i}"), respond=answered.responder(i))
+                       for i in range(3)])
+    answered.wait(4)
+    assert all(answered.results[i]["EMBEDDING"].shape == (1, DIM) for i in range(3))
+    scheduler.close()
+
+
+def test_a_failure_outside_the_pipeline_restarts_the_thread_and_answers_what_it_held():
+    gate, started = threading.Event(), threading.Event()
+
+    class HeldRuntime(EncoderRuntime):
+        def compute(self, feeds):
+            started.set()
+            gate.wait(10)
+            return super().compute(feeds)
+
+    scheduler, factory = thread_scheduler(HeldRuntime(), max_dispatch_rows=1)
+    observe = scheduler.metrics.actual_seconds.observe
+    broken = []
+
+    def observe_once(value):  # a fault after the dispatch ran, before its answers went out
+        if not broken:
+            broken.append(value)
+            raise RuntimeError("metrics broke")
+        observe(value)
+
+    scheduler.metrics.actual_seconds.observe = observe_once
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("taken"), respond=answered.responder("taken"))])
+    assert started.wait(10)
+    submit(scheduler, [Submission(tensors=text_request(f"queued {i}"), respond=answered.responder(i))
+                       for i in range(2)])
+    gate.set()
+    answered.wait(3)
+    # The dispatch's own answer went out before the fault; the queued requests got INTERNAL, none hangs.
+    assert answered.results["taken"]["EMBEDDING"].shape == (1, DIM)
+    for i in range(2):
+        error = answered.results[i]
+        assert isinstance(error, CoalesceError) and error.code == "INTERNAL"
+        assert "the backend's scheduler failed while this request was queued (RuntimeError: metrics broke)" in str(
+            error)
+    assert scheduler.restarts == 1
+    assert factory.value("coalesce_scheduler_restarts_total") == 1
+    assert scheduler.queue.size_bytes == 0 and len(scheduler.queue) == 0
+    submit(scheduler, [Submission(tensors=text_request(f"after {i}"), respond=answered.responder(("after", i)))
+                       for i in range(3)])
+    answered.wait(6)
+    assert all(answered.results[("after", i)]["EMBEDDING"].shape == (1, DIM) for i in range(3))
+    scheduler.close()
+
+
+def test_a_policy_failure_answers_the_taken_dispatch_with_internal():
+    scheduler, factory = thread_scheduler()
+    decide = scheduler.queue.decide
+    broken = []
+
+    def decide_once(now):
+        if not broken and len(scheduler.queue):
+            broken.append(now)
+            raise ValueError("policy bug")
+        return decide(now)
+
+    scheduler.queue.decide = decide_once
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("a"), respond=answered.responder("a"))])
+    answered.wait(1)
+    assert answered.results["a"].code == "INTERNAL" and "ValueError: policy bug" in str(answered.results["a"])
+    submit(scheduler, [Submission(tensors=text_request("b"), respond=answered.responder("b"))])
+    answered.wait(2)
+    assert answered.results["b"]["EMBEDDING"].shape == (1, DIM)
+    assert scheduler.restarts == 1 and factory.value("coalesce_scheduler_restarts_total") == 1
+    scheduler.close()
+
+
+def test_an_inline_dispatch_that_fails_answers_its_requests_with_internal():
+    scheduler, _ = make_scheduler(target_p99_ms=60_000)  # idle, so submit runs the dispatch inline
+    original = scheduler._run
+
+    def run_and_break(dispatch, started, deliver):
+        raise KeyError("inline break")
+
+    scheduler._run = run_and_break
+    answered = Answers()
+    submit(scheduler, [Submission(tensors=text_request("x"), respond=answered.responder("x"))])
+    answered.wait(1)
+    assert answered.results["x"].code == "INTERNAL" and "KeyError: 'inline break'" in str(answered.results["x"])
+    scheduler._run = original
+    submit(scheduler, [Submission(tensors=text_request("y"), respond=answered.responder("y"))])
+    answered.wait(2)
+    assert answered.results["y"]["EMBEDDING"].shape == (1, DIM)
+    scheduler.close()

@@ -23,6 +23,7 @@ from coalesce.cache.keys import row_key
 from coalesce.cache.memory import RowCache, RowOutputs
 from coalesce.cache.shared import RedisTier, RowLayout
 from coalesce.core.errors import CoalesceError, ConfigError, InvalidInputError, as_result
+from coalesce.core.limits import oversize_error, request_bytes
 from coalesce.core.task import Pass, Prepared, Row, Task
 from coalesce.core.tensors import TensorSpec
 from coalesce.observability.log import Logger
@@ -100,14 +101,16 @@ class Pipeline:
     def __init__(self, task: Task, runtime: Runtime, options: PlannerOptions, metrics: PipelineMetrics,
                  logger: Logger | None = None, *, cost_model: CostModel,
                  cost_samples: Sequence[tuple[int, int, float]] = (), cache: RowCache | None = None,
-                 shared: RedisTier | None = None, fingerprint: bytes = b"", model_name: str = "model") -> None:
+                 shared: RedisTier | None = None, fingerprint: bytes = b"", model_name: str = "model",
+                 max_request_bytes: int = 0) -> None:
         """Wire the pipeline; ``coalesce.loader.load_pipeline`` builds one from a model's files.
 
         ``cache`` (the in-process tier) and ``shared`` (the Redis tier, asked for the rows
         the first tier misses), with the ``fingerprint`` of everything that decides the
         outputs (``coalesce.cache.keys.output_fingerprint``), answer rows computed before;
         without either, every row is computed. ``cost_samples`` are the calibration's, which
-        the adaptive scheduler's learning starts from.
+        the adaptive scheduler's learning starts from. A request of more than
+        ``max_request_bytes`` (0: no limit) is refused before it is read.
 
         Raises:
             ConfigError: If the runtime cannot take the task's longest row.
@@ -118,6 +121,7 @@ class Pipeline:
         self.options = options
         self.metrics = metrics
         self.model_name = model_name
+        self.max_request_bytes = max_request_bytes
         self.logger = logger or Logger(model_name)
         # A runtime with fixed shape ranges (TensorRT profiles) bounds the passes the planner may cut.
         runtime_rows = getattr(runtime, "max_rows", None)
@@ -149,12 +153,23 @@ class Pipeline:
 
     def read(self, tensors: Mapping[str, np.ndarray] | CoalesceError) -> list[Row] | CoalesceError:
         """One request's rows from its input tensors, or the error it is to be answered with."""
+        return self.read_sized(tensors)[0]
+
+    def read_sized(self, tensors: Mapping[str, np.ndarray] | CoalesceError) -> tuple[list[Row] | CoalesceError, int]:
+        """``read``, and the request's size in bytes (``coalesce.core.limits.request_bytes``; 0 for an error).
+
+        The size is checked against ``max_request_bytes`` before the task reads (copies,
+        decodes) anything.
+        """
         if isinstance(tensors, CoalesceError):
-            return tensors
+            return tensors, 0
+        size = request_bytes(tensors)
+        if self.max_request_bytes and size > self.max_request_bytes:
+            return oversize_error(size, self.max_request_bytes), 0
         try:
-            return self.task.read(tensors)
+            return self.task.read(tensors), size
         except InvalidInputError as exc:
-            return as_result(exc)
+            return as_result(exc), 0
 
     def read_all(self, requests: Sequence[Mapping[str, np.ndarray] | CoalesceError]) -> list[RequestInput]:
         """``read`` for every request of an ``execute``, timed as the ``read`` stage."""

@@ -17,8 +17,9 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from coalesce.core.errors import ConfigError
 from coalesce.core.tensors import GraphIO, TensorSpec
-from coalesce.settings import ModelSettings
+from coalesce.settings import ModelSettings, inside_version_folder
 
 #: One row of a request, in the task's own form (a text, a text pair, one row of each input tensor).
 Row = Any
@@ -138,6 +139,13 @@ class Task(abc.ABC):
 
 
 def version_file(version_dir: Path, name: str) -> Path:
-    """A file of the model's version folder, named by a setting (relative, or absolute where the user says so)."""
-    path = Path(name)
-    return path if path.is_absolute() else version_dir / path
+    """A file of the model's version folder, named by a setting: a relative path that stays inside it.
+
+    Raises:
+        ConfigError: If ``name`` is absolute or climbs out with ``..`` (settings refuse those at parse
+            time; this holds for every caller).
+    """
+    why = inside_version_folder(name)
+    if why:
+        raise ConfigError(f"file '{name}': {why}")
+    return version_dir / name

@@ -382,6 +382,9 @@ class SchedulerMetrics:
             "coalesce_cost_model_overhead_seconds",
             "Learned seconds every dispatch costs beyond its forward passes (predicted = overhead + scale * passes)",
             labels)
+        self.scheduler_restarts = factory.counter(
+            "coalesce_scheduler_restarts_total",
+            "Times the scheduler thread failed, answered what it held with INTERNAL and started again", labels)
         self.rejections = {
             reason: factory.counter("coalesce_rejections_total", "Requests answered without being computed",
                                     {**labels, "reason": reason})

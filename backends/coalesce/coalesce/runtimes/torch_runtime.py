@@ -23,6 +23,25 @@ from coalesce.core.tensors import GraphIO, GraphTensor
 #: What each head returns: (output name, attribute of the model's output).
 HEADS: Final = {"base": "last_hidden_state", "sequence-classification": "logits"}
 _TEXT_INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
+#: Weight files that are Python pickles: loading one can run any code it carries, so they are refused.
+PICKLE_SUFFIXES: Final = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def check_safetensors(model_dir: Path) -> None:
+    """Make sure the weights in ``model_dir`` are safetensors, the only form the torch runtime loads.
+
+    ``torch.load`` unpickles, and a pickle can run code at load even with
+    ``weights_only=True`` (it narrows, not removes, what the unpickler accepts).
+
+    Raises:
+        ConfigError: If the folder holds no ``*.safetensors`` file, naming the pickles it holds instead.
+    """
+    if any(model_dir.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES) if model_dir.is_dir() else []
+    found = f"it holds pickled weights {pickles}, which are never loaded" if pickles else "it holds none"
+    raise ConfigError(f"torch runtime: weights in {model_dir} must be safetensors (model.safetensors); {found}. "
+                      "Convert them (`coalesce export` writes safetensors)")
 
 
 class TorchRuntime:
@@ -44,6 +63,7 @@ class TorchRuntime:
             raise ConfigError(f"torch runtime: unknown head '{head}', expected one of {', '.join(HEADS)}")
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"torch runtime: no weights at {model_dir} (run `coalesce export`)")
+        check_safetensors(model_dir)
         if device == "cpu" and (precision != "fp32" or cuda_graph_buckets):
             raise ConfigError("torch runtime: fp16 and CUDA graphs need a CUDA device")
         if threads and device == "cpu":
@@ -55,9 +75,9 @@ class TorchRuntime:
         loader = AutoModel if head == "base" else AutoModelForSequenceClassification
         kwargs = {"add_pooling_layer": False} if head == "base" else {}
         try:
-            model = loader.from_pretrained(str(model_dir), **kwargs)
+            model = loader.from_pretrained(str(model_dir), use_safetensors=True, **kwargs)
         except TypeError:  # an architecture without a pooling layer to leave out
-            model = loader.from_pretrained(str(model_dir))
+            model = loader.from_pretrained(str(model_dir), use_safetensors=True)
         self._model = model.eval().to(device=self.device, dtype=self.dtype)
         accepted = inspect.signature(self._model.forward).parameters
         self._inputs = tuple(name for name in _TEXT_INPUTS if name in accepted)

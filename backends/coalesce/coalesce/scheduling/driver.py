@@ -79,6 +79,8 @@ PRIORITY_PARAMETER: Final = "priority_level"
 REFUSED_PREFIX: Final = "request refused: "
 #: Longest tenant name accepted.
 MAX_TENANT_CHARS: Final = 128
+#: How the detail of a refusal for the queue's bytes begins (after ``REFUSED_PREFIX``).
+QUEUE_BYTES_DETAIL: Final = "queue holds "
 
 
 def triton_queue_timeout_s(model_config: Mapping[str, Any]) -> float:
@@ -109,6 +111,7 @@ def scheduler_config(settings: ModelSettings, *, triton_queue_timeout_s: float =
     target_s = options.target_p99_ms / 1000
     return SchedulerConfig(
         target_s=max(target_s - triton_queue_timeout_s, 0.1 * target_s), max_queue_rows=options.max_queue_rows,
+        max_queue_bytes=options.max_queue_bytes,
         max_dispatch_rows=options.max_dispatch_rows, max_batch_rows=settings.planner.max_batch_rows,
         tenant_weights=options.weights, tenant_max_rows_per_s=options.rate_limits,
         default_priority=options.default_priority,
@@ -157,6 +160,8 @@ def rejection_error(reason: Rejection, job: Job, now: float, detail: str = "") -
     elif reason is Rejection.EXPIRED:
         why = (f"it can no longer meet its deadline of {budget_ms:.0f} ms after "
                f"{(now - job.arrival_s) * 1000:.0f} ms in the queue")
+    elif reason is Rejection.QUEUE_FULL and detail.startswith(QUEUE_BYTES_DETAIL):
+        why = f"{detail}; retry later"
     elif reason is Rejection.QUEUE_FULL:
         why = f"the queue is full ({detail}); retry later"
     else:
@@ -188,7 +193,11 @@ class AdaptiveScheduler:
         # threads overlaps those waits, and the scheduler thread goes on to the next dispatch meanwhile.
         self._senders = concurrent.futures.ThreadPoolExecutor(max_workers=ANSWER_THREADS,
                                                               thread_name_prefix="coalesce-answer")
-        self._thread = threading.Thread(target=self._loop, name="coalesce-scheduler", daemon=True)
+        #: Jobs of the dispatch the scheduler thread is running, and the requests of it already answered.
+        self._taken: list[Job] = []
+        self._answered: set[int] = set()
+        self.restarts = 0
+        self._thread = threading.Thread(target=self._supervise, name="coalesce-scheduler", daemon=True)
         self._thread.start()
 
     # -- from execute ---------------------------------------------------------------------------------
@@ -209,9 +218,11 @@ class AdaptiveScheduler:
         now = self._clock()
         answers: list[RequestResult | None] = [None] * len(submissions)
         read: list[tuple[int, Submission, list[Row]]] = []
+        sizes: dict[int, int] = {}
         start = time.perf_counter()
         for index, sub in enumerate(submissions):
-            rows = self.pipeline.read(sub.tensors)
+            rows, sizes[id(sub)] = self.pipeline.read_sized(sub.tensors)
+            sub.tensors = {}  # read once; a queued request keeps only its rows (texts already cut)
             if isinstance(rows, CoalesceError):
                 answers[index] = rows
             else:
@@ -233,6 +244,7 @@ class AdaptiveScheduler:
                 prepared = []
             for index, sub, rows, tokens, longest in prepared:
                 job = self._job(sub, rows, tokens, longest, now)
+                job.size_bytes = sizes[id(sub)]
                 reason = self.queue.admit(job, now, self._busy_until_s)
                 if reason is None:
                     continue
@@ -257,8 +269,17 @@ class AdaptiveScheduler:
 
         self._reject(dropped, now, deliver)
         if inline is not None:
+            answered: set[int] = set()
+
+            def deliver_once(sub: Submission, result: RequestResult) -> Future[None] | None:
+                answered.add(id(sub))
+                return deliver(sub, result)
+
             try:
-                self._run(inline, now, deliver)
+                self._run(inline, now, deliver_once)
+            except Exception as exc:  # every request still gets an answer; execute goes on
+                self._fail([j for j in [*inline.expired, *inline.jobs] if id(j.payload[0]) not in answered],
+                           exc, deliver, where="an inline dispatch")
             finally:
                 self._finish_running()
         return answers
@@ -279,6 +300,9 @@ class AdaptiveScheduler:
             finish = self.queue.last_finish_s
             return (f"{len(self.queue)} request(s) with {self.queue.rows} row(s) queued, predicted answer in "
                     f"{(finish - now) * 1000:.0f} ms")
+        if reason is Rejection.QUEUE_FULL and self.queue.over_bytes(job):
+            return (f"{QUEUE_BYTES_DETAIL}{self.queue.size_bytes} bytes, and this request's {job.size_bytes} would "
+                    f"pass the limit of {self.config.max_queue_bytes} (parameter 'max_queue_bytes')")
         if reason is Rejection.QUEUE_FULL:
             return f"{self.queue.rows} rows queued, limit {self.config.max_queue_rows} (parameter 'max_queue_rows')"
         if reason is Rejection.RATE_LIMIT:
@@ -286,6 +310,50 @@ class AdaptiveScheduler:
         return ""
 
     # -- the scheduler thread -------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Run ``_loop`` until the scheduler closes; after any failure, answer what it held and start it again.
+
+        A failure outside the pipeline (the policy, a metric, a response sender, a
+        cancellation check) would otherwise end the thread, and every request queued or
+        taken would wait forever for an answer.
+        """
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception as exc:
+                with self._cond:
+                    held = [j for j in self._taken if id(j.payload[0]) not in self._answered]
+                    held += self.queue.take_all()
+                    self._taken, self._answered = [], set()
+                    self._running = False
+                    self._busy_until_s = 0.0
+                    self.restarts += 1
+                    restarts = self.restarts
+                    self._cond.notify_all()
+                try:
+                    self.metrics.scheduler_restarts.increment(1)
+                    self._set_depth()
+                except Exception as metric_exc:
+                    self.logger.error(f"scheduler metrics failed after a restart: {metric_exc!r}")
+                self._fail(held, exc, self._answer, where=f"the scheduler thread (restart {restarts})")
+
+    def _fail(self, jobs: Sequence[Job], exc: Exception, deliver: Deliver, *, where: str) -> None:
+        """Answer ``jobs`` with INTERNAL after ``exc`` broke ``where``; log it once."""
+        self.logger.error(f"{where} failed: {exc!r}; answering {len(jobs)} request(s) it held with INTERNAL")
+        for job in jobs:
+            try:
+                deliver(job.payload[0], CoalesceError(f"internal error: the backend's scheduler failed while "
+                                                      f"this request was queued ({type(exc).__name__}: {exc}); "
+                                                      "later requests are served, retry"))
+            except Exception as send_exc:  # one broken sender must not leave the others unanswered
+                self.logger.error(f"answering after a scheduler failure failed: {send_exc!r}")
+
+    def _deliver_taken(self, sub: Submission, result: RequestResult) -> Future[None] | None:
+        """``_answer`` for the scheduler thread's dispatches, noting who is answered (for ``_supervise``)."""
+        self._answered.add(id(sub))
+        return self._answer(sub, result)
 
     def _loop(self) -> None:
         while True:
@@ -304,6 +372,7 @@ class AdaptiveScheduler:
                     decision = self.queue.decide(now) if not self._closing else self._drain(now)
                     if isinstance(decision, Dispatch):
                         dispatch = decision
+                        self._taken, self._answered = [*decision.expired, *decision.jobs], set()
                         self._start_running(decision, now)
                     else:
                         self._cond.wait(None if math.isinf(decision.until_s) else max(0.0, decision.until_s - now))
@@ -312,9 +381,10 @@ class AdaptiveScheduler:
                 self._reject(dropped, now, self._answer)
                 continue
             try:
-                self._run(dispatch, now, self._answer)
+                self._run(dispatch, now, self._deliver_taken)
             finally:
                 self._finish_running()
+            self._taken = []
 
     def _start_running(self, dispatch: Dispatch, now: float) -> None:
         # Under self._cond: the executor is taken until _finish_running.

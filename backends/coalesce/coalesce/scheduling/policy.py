@@ -71,7 +71,7 @@ class Rejection(enum.Enum):
     """Why a job was answered without being computed; ``value`` is the metric label."""
 
     DEADLINE = "deadline"      # at admission: the queue ahead of it makes it miss its deadline
-    QUEUE_FULL = "queue_full"  # at admission: max_queue_rows reached
+    QUEUE_FULL = "queue_full"  # at admission: max_queue_rows or max_queue_bytes reached
     RATE_LIMIT = "rate_limit"  # at admission: its tenant is over its row-rate limit
     EXPIRED = "expired"        # at dispatch: can no longer finish in time
     CANCELLED = "cancelled"    # at dispatch: the client cancelled it
@@ -93,6 +93,7 @@ class Job:
         payload: The adapter's own data (request, response sender); never read here.
         is_cancelled: Asks whether the client has cancelled it.
         virtual_finish: Fair-queuing tag, set at admission.
+        size_bytes: Bytes of its inputs as sent (bounded in the queue by ``max_queue_bytes``).
     """
 
     seq: int
@@ -106,6 +107,7 @@ class Job:
     payload: Any = None
     is_cancelled: Callable[[], bool] | None = None
     virtual_finish: float = 0.0
+    size_bytes: int = 0
 
     def order_key(self) -> tuple[int, float, int]:
         """Service order: priority level, then fair-queuing finish tag, then arrival."""
@@ -120,6 +122,8 @@ class SchedulerConfig:
     max_queue_rows: int
     max_dispatch_rows: int
     max_batch_rows: int
+    #: Most bytes of requests queued (0: no limit).
+    max_queue_bytes: int = 0
     tenant_weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
     tenant_max_rows_per_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     default_priority: int = 1
@@ -387,6 +391,7 @@ class AdaptiveQueue:
         self.cost = cost
         self._jobs: list[Job] = []
         self._rows = 0
+        self._bytes = 0
         self._virtual_time = 0.0
         self._last_finish: dict[str, float] = {}
         self._buckets: dict[str, _TokenBucket] = {}
@@ -408,6 +413,24 @@ class AdaptiveQueue:
     def rows(self) -> int:
         """Rows queued."""
         return self._rows
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the requests queued (``Job.size_bytes``)."""
+        return self._bytes
+
+    def over_bytes(self, job: Job) -> bool:
+        """Whether queuing ``job`` would pass ``max_queue_bytes``."""
+        limit = self.config.max_queue_bytes
+        return bool(limit) and self._bytes + job.size_bytes > limit
+
+    def take_all(self) -> list[Job]:
+        """Remove and return every queued job (the driver answers them when its thread fails)."""
+        jobs, self._jobs = self._jobs, []
+        self._rows = self._bytes = 0
+        self._tail_cache = None
+        self._changed()
+        return jobs
 
     @property
     def arrival_rate_rows_per_s(self) -> float:
@@ -450,7 +473,7 @@ class AdaptiveQueue:
                 bucket = self._buckets[job.tenant] = _TokenBucket(limit, now)
             if not bucket.take(job.rows, now):
                 return Rejection.RATE_LIMIT
-        if self._rows + job.rows > self.config.max_queue_rows:
+        if self._rows + job.rows > self.config.max_queue_rows or self.over_bytes(job):
             return Rejection.QUEUE_FULL
         start = max(self._virtual_time, self._last_finish.get(job.tenant, 0.0))
         job.virtual_finish = start + job.rows / self.config.weight(job.tenant)
@@ -475,6 +498,7 @@ class AdaptiveQueue:
         self._last_finish[job.tenant] = job.virtual_finish
         bisect.insort_right(self._jobs, job, key=Job.order_key)  # kept in service order
         self._rows += job.rows
+        self._bytes += job.size_bytes
         self._changed()
         if new_tail is not None:
             self._tail_cache = (plan_start, self._version, new_tail)
@@ -586,6 +610,7 @@ class AdaptiveQueue:
         if dropped:
             self._jobs = kept
             self._rows = sum(j.rows for j in kept)
+            self._bytes = sum(j.size_bytes for j in kept)
             self._changed()
         return dropped
 
@@ -676,12 +701,14 @@ class AdaptiveQueue:
         if gone:
             self._jobs = [j for j in self._jobs if id(j) not in gone]
             self._rows -= sum(j.rows for j in jobs)
+            self._bytes -= sum(j.size_bytes for j in jobs)
             self._changed()
 
     def _take(self, chosen: list[Job], predicted: float) -> Dispatch:
         taken = {id(j) for j in chosen}
         self._jobs = [j for j in self._jobs if id(j) not in taken]
         self._rows -= sum(j.rows for j in chosen)
+        self._bytes -= sum(j.size_bytes for j in chosen)
         self._changed()
         self._virtual_time = max(self._virtual_time, max(j.virtual_finish for j in chosen))
         # Tenants with nothing queued and a finish tag behind virtual time need no state.

@@ -7,8 +7,21 @@ import numpy as np
 from coalesce.core.errors import InvalidInputError
 
 
-def read_texts(array: np.ndarray | None, name: str, *, max_bytes: int) -> list[str]:
+def cut_utf8(data: bytes, limit: int) -> bytes:
+    """The longest prefix of ``data`` of at most ``limit`` bytes that ends at a UTF-8 character boundary."""
+    if len(data) <= limit:
+        return data
+    end = limit
+    while end > 0 and (data[end] & 0xC0) == 0x80:  # a continuation byte: the character started earlier
+        end -= 1
+    return data[:end]
+
+
+def read_texts(array: np.ndarray | None, name: str, *, max_bytes: int, cut_bytes: int = 0) -> list[str]:
     """The texts of input ``name`` (shape ``[N, 1]``, BYTES), each valid UTF-8 and at most ``max_bytes`` long.
+
+    With ``cut_bytes`` a longer text is cut at a UTF-8 boundary after that many bytes
+    before it is decoded (its tail is never decoded, checked or tokenised).
 
     Raises:
         InvalidInputError: Naming the input, and the row and what is wrong with it.
@@ -24,21 +37,24 @@ def read_texts(array: np.ndarray | None, name: str, *, max_bytes: int) -> list[s
     texts: list[str] = []
     for row, value in enumerate(array[:, 0]):
         if isinstance(value, str):
-            text = value
-            size = len(value.encode("utf-8", errors="surrogatepass"))
+            data = value.encode("utf-8", errors="surrogatepass")
         elif isinstance(value, bytes | bytearray | np.bytes_):
-            size = len(value)
-            try:
-                text = bytes(value).decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidInputError(
-                    f"input '{name}' row {row} is not valid UTF-8: byte 0x{value[exc.start]:02x} "
-                    f"at offset {exc.start} ({exc.reason})") from None
+            data = bytes(value) if not isinstance(value, bytes) else value
         else:
             raise InvalidInputError(f"input '{name}' row {row} is a {type(value).__name__}, expected bytes")
-        if size > max_bytes:
+        if len(data) > max_bytes:
             raise InvalidInputError(
-                f"input '{name}' row {row} is {size} bytes, over the model's limit of {max_bytes} "
+                f"input '{name}' row {row} is {len(data)} bytes, over the model's limit of {max_bytes} "
                 "(parameter 'max_text_bytes')")
-        texts.append(text)
+        if cut_bytes and len(data) > cut_bytes:
+            data = cut_utf8(data, cut_bytes)
+        elif isinstance(value, str):
+            texts.append(value)
+            continue
+        try:
+            texts.append(data.decode("utf-8", errors="surrogatepass" if isinstance(value, str) else "strict"))
+        except UnicodeDecodeError as exc:
+            raise InvalidInputError(
+                f"input '{name}' row {row} is not valid UTF-8: byte 0x{data[exc.start]:02x} "
+                f"at offset {exc.start} ({exc.reason})") from None
     return texts

@@ -57,6 +57,8 @@ class TextTask(Task):
         self.model_name = settings.model_name
         self.max_length = settings.task.max_sequence_length
         self.max_text_bytes = settings.text.max_text_bytes
+        # Bytes a text may need for max_length tokens: the tail past them is cut before tokenising.
+        self.cut_bytes = settings.task.max_sequence_length * settings.text.text_bytes_per_token
         self.tokenizer_path = version_file(version_dir, settings.text.tokenizer_file)
         declared = {t.name: t for t in config_tensors(config, "input", model_name=self.model_name)}
         self.pairs = INPUT_TEXT_PAIR in declared
@@ -91,10 +93,12 @@ class TextTask(Task):
 
     def read(self, tensors: Mapping[str, np.ndarray]) -> list[Row]:
         """The request's texts, or ``(text, pair)`` tuples when it sends ``TEXT_PAIR``."""
-        texts = read_texts(tensors.get(INPUT_TEXT), INPUT_TEXT, max_bytes=self.max_text_bytes)
+        texts = read_texts(tensors.get(INPUT_TEXT), INPUT_TEXT, max_bytes=self.max_text_bytes,
+                           cut_bytes=self.cut_bytes)
         if not self.pairs or tensors.get(INPUT_TEXT_PAIR) is None:
             return list(texts)
-        pairs = read_texts(tensors.get(INPUT_TEXT_PAIR), INPUT_TEXT_PAIR, max_bytes=self.max_text_bytes)
+        pairs = read_texts(tensors.get(INPUT_TEXT_PAIR), INPUT_TEXT_PAIR, max_bytes=self.max_text_bytes,
+                           cut_bytes=self.cut_bytes)
         if len(pairs) != len(texts):
             raise InvalidInputError(f"input '{INPUT_TEXT_PAIR}' has {len(pairs)} rows but '{INPUT_TEXT}' has "
                                     f"{len(texts)}: send one pair text per text")
