@@ -8,6 +8,7 @@ Triton checks the config, so ``backend``, ``max_batch_size`` and ``task`` are en
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +18,7 @@ from coalesce.batching.costmodel import CostModel, calibrate
 from coalesce.batching.pipeline import Pipeline
 from coalesce.cache.keys import file_digest, output_fingerprint
 from coalesce.cache.memory import RowCache
+from coalesce.cache.secrets import read_secrets
 from coalesce.cache.shared import RedisTier
 from coalesce.core.errors import ConfigError
 from coalesce.core.task import Task, version_file
@@ -72,12 +74,17 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
         "model": name, "version": version, **task.fingerprint(),
         **runtime_fingerprint(settings, choice.runtime, version_dir)})
     shared = None
+    signing = ""
     if cache_options.redis_url:
+        secrets = read_secrets(fingerprint, os.environ)
         shared = RedisTier(cache_options.redis_url, timeout_s=cache_options.redis_timeout_ms / 1000,
-                           retry_s=cache_options.redis_retry_s, ttl_s=cache_options.cache_ttl_s,
-                           key_prefix=cache_options.redis_key_prefix, logger=logger, metrics=metrics)
+                           retry_s=cache_options.redis_retry_s, mac_secret=secrets.mac_secret,
+                           ttl_s=cache_options.cache_ttl_s, key_prefix=cache_options.redis_key_prefix,
+                           password=secrets.password, ca_file=secrets.ca_file, logger=logger, metrics=metrics)
+        signing = (f" (values signed with a key from {secrets.mac_source}; password "
+                   f"{'set' if secrets.password else 'none'}; CA {secrets.ca_file or 'system'})")
     logger.info(f"row cache: in process {cache_options.cache_bytes} bytes, shared "
-                f"{shared.url if shared else 'off'}, ttl {cache_options.cache_ttl_s or 'none'} s; output "
+                f"{shared.url if shared else 'off'}{signing}, ttl {cache_options.cache_ttl_s or 'none'} s; output "
                 f"fingerprint {fingerprint.hex()[:16]} (files hashed in {time.perf_counter() - start:.2f} s)")
     return Pipeline(task, choice.runtime, settings.planner, metrics, logger, cost_model=cost_model,
                     cost_samples=samples, cache=RowCache(cache_options.cache_bytes, ttl_s=cache_options.cache_ttl_s),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Final
 
@@ -188,7 +189,8 @@ class CacheOptions:
                                low=0.0, high=1e9)
     redis_url: str = _spec(
         "", "Shared row-cache tier: `redis://host:port/db` (or `rediss://`, `unix://`); empty: no shared tier. "
-        "`coalesce serve` starts a local redis-server for a loopback URL nobody listens on.")
+        "`coalesce serve` starts a local redis-server for a loopback URL nobody listens on. No password here: "
+        "see the shared tier's secrets.")
     redis_timeout_ms: float = _spec(
         50.0, "Most milliseconds one Redis round trip (connect, lookup or write) may take before the model "
         "serves without it.", low=1.0, high=60_000.0)
@@ -354,8 +356,15 @@ class ModelSettings:
             raise SettingsError(f"{where}: parameter 'cost_model' has bad value '{planner.cost_model}': expected "
                                 "'auto' or three non-negative numbers 'a,b,c' (seconds)") from None
         if cache.redis_url and not cache.redis_url.startswith(REDIS_SCHEMES):
-            raise SettingsError(f"{where}: parameter 'redis_url' has bad value '{cache.redis_url}': "
-                                f"expected a URL starting with {', '.join(REDIS_SCHEMES)}")
+            raise SettingsError(f"{where}: parameter 'redis_url' has bad value '{_without_password(cache.redis_url)}'"
+                                f": expected a URL starting with {', '.join(REDIS_SCHEMES)}")
+        if _has_password(cache.redis_url):
+            # config.pbtxt is served back by Triton's config endpoint and printed in the load log.
+            raise SettingsError(
+                f"{where}: parameter 'redis_url' ('{_without_password(cache.redis_url)}') carries a password; "
+                "config.pbtxt is readable through Triton's config endpoint, so take it out and give the password "
+                "to the server's environment: COALESCE_REDIS_PASSWORD, or a file named by "
+                "COALESCE_REDIS_PASSWORD_FILE")
         for key in ("tenant_weights", "tenant_max_rows_per_s"):
             try:
                 parse_tenant_map(getattr(self.scheduler, key), what=key)
@@ -367,6 +376,24 @@ class ModelSettings:
                 f"{where}: parameter 'max_batch_tokens' (value '{planner.max_batch_tokens}') is below "
                 f"'max_sequence_length' ({self.task.max_sequence_length}): a single long text could never be "
                 "scheduled")
+
+
+def _has_password(url: str) -> bool:
+    """Whether a Redis URL carries a password (``user:pass@`` or a ``password`` query field)."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.password is not None or "password" in urllib.parse.parse_qs(parts.query)
+
+
+def _without_password(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for messages."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is not None:
+        url = url.replace(f":{parts.password}@", ":***@", 1)
+    if parts.query:
+        query = "&".join("password=***" if field.partition("=")[0] == "password" else field
+                         for field in parts.query.split("&"))
+        url = url.replace(f"?{parts.query}", f"?{query}", 1)
+    return url
 
 
 def parameter_fields(options: type) -> list[dataclasses.Field[Any]]:

@@ -41,10 +41,15 @@ class FakeClock:
         return self.now
 
 
-def make_tier(url, *, clock=None, prefix=None, retry_s=5.0, timeout_s=0.2, ttl_s=0.0, log_interval_s=30.0):
+#: The secret test tiers sign their values with.
+SECRET = b"unit-test secret"
+
+
+def make_tier(url, *, clock=None, prefix=None, retry_s=5.0, timeout_s=0.2, ttl_s=0.0, log_interval_s=30.0,
+              secret=SECRET, **options):
     factory = InMemoryMetricFactory()
     sink = ListSink()
-    tier = RedisTier(url, timeout_s=timeout_s, retry_s=retry_s, ttl_s=ttl_s,
+    tier = RedisTier(url, timeout_s=timeout_s, retry_s=retry_s, ttl_s=ttl_s, mac_secret=secret, **options,
                      key_prefix=prefix or f"test-{np.random.default_rng().integers(1 << 30)}:",
                      logger=Logger("m", sink), metrics=PipelineMetrics(factory, model="m", version="1"),
                      clock=clock or FakeClock(), log_interval_s=log_interval_s)
@@ -211,7 +216,7 @@ def test_redacted_hides_the_password():
 
 
 def shared_tier(url, prefix, recorded):
-    return RedisTier(url, timeout_s=0.2, retry_s=0.0, key_prefix=prefix, metrics=recorded[0])
+    return RedisTier(url, timeout_s=0.2, retry_s=0.0, key_prefix=prefix, metrics=recorded[0], mac_secret=SECRET)
 
 
 def embed(pipeline, *requests):

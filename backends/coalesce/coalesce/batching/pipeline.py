@@ -143,6 +143,8 @@ class Pipeline:
         self.fingerprint = fingerprint
         self._variable_outputs = any(spec.variable_axes for spec in task.outputs)
         self._fixed_layout: RowLayout = tuple((spec.dtype, spec.dims) for spec in task.outputs)
+        normalised = task.unit_norm_outputs()
+        self._unit_norm = tuple(spec.name in normalised for spec in task.outputs)  # checked on shared-tier values
 
     def close(self) -> None:
         """Release what outlives a call: the shared tier's writer and connections."""
@@ -324,7 +326,8 @@ class Pipeline:
             self.metrics.cache_misses.increment(len(missing))
         if self.shared is not None and missing:
             # One round trip for every row the first tier missed; a shared hit is kept in process too.
-            shared = self.shared.get_many([keys[i] for i in missing], self._layouts([distinct[i] for i in missing]))
+            shared = self.shared.get_many([keys[i] for i in missing], self._layouts([distinct[i] for i in missing]),
+                                          self._unit_norm)
             hits: list[tuple[int, RowOutputs]] = [(i, outputs) for i, outputs in zip(missing, shared, strict=True)
                                                   if outputs is not None]
             for i, outputs in hits:

@@ -4,11 +4,26 @@ Several model instances and servers point at one Redis and share the rows any of
 computed, so a server that starts (or a model that reloads) finds the rows its peers
 already computed. Keys are ``coalesce.cache.keys.row_key`` digests (which already cover
 the model, version, files and every output-affecting setting) under a prefix; a value is
-the raw bytes of one row's outputs, one after the other in the task's output order. A
-value whose size is not exactly what the row's outputs take is a miss, never an answer.
+the raw bytes of one row's outputs, one after the other in the task's output order,
+followed by a MAC: a keyed BLAKE2b over the full Redis key and those bytes.
+
+Nothing unverified from Redis is ever an answer. A value is used only if its MAC is
+valid for the key it was read under (so a value copied under another key, another row's
+outputs, is refused), its size is exactly what the row's outputs take, every float is
+finite, and every vector of an output the task L2-normalises (``Task.unit_norm_outputs``)
+has norm 1 within ``UNIT_NORM_TOLERANCE``. A reply of the wrong type or length, or a
+value failing any check, is a miss counted as ``corrupt``; the row is computed and its
+fresh value overwrites the bad one. The MAC key is derived from a secret the operator
+sets (``coalesce.cache.secrets``), else from the model's output fingerprint: then
+stale, truncated and copied values are still refused, but someone who can write to Redis
+and knows the model's files could forge a value; set a secret where that matters.
+
+The Redis password and the CA of a ``rediss://`` (TLS) server come from files or the
+environment, never from ``redis_url``, which Triton serves back in the model's config.
 
 The tier fails open. Every Redis call is bounded by a timeout; an error (Redis down,
-slow, or answering garbage) is counted, logged at most once per interval, and makes the
+slow, refusing the password, or a reply the client cannot parse) is
+counted, logged at most once per interval, and makes the
 tier stand aside for ``retry_s``, during which lookups miss and writes are dropped
 without touching the network. After that the next call tries Redis again, so the tier
 comes back by itself when Redis does. A request never fails because of the cache.
@@ -16,6 +31,8 @@ comes back by itself when Redis does. A request never fails because of the cache
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import threading
 import time
 import urllib.parse
@@ -39,6 +56,29 @@ RowLayout = tuple[tuple[np.dtype[Any], tuple[int, ...]], ...]
 ERROR_LOG_INTERVAL_S: Final = 30.0
 #: Write batches queued for the writer thread; past this, new writes are dropped (and counted).
 MAX_PENDING_WRITE_BATCHES: Final = 256
+#: Bytes of the MAC that ends every stored value.
+MAC_BYTES: Final = 16
+#: Most a stored vector's L2 norm may differ from 1 where the task normalises the output (float32 rounding is ~1e-6).
+UNIT_NORM_TOLERANCE: Final = 1e-3
+_MAC_PERSON: Final = b"coalesce-mac-v1"
+
+
+def mac_key(secret: bytes) -> bytes:
+    """The 32-byte MAC key derived from ``secret`` (an operator's secret, or the output fingerprint)."""
+    return hashlib.blake2b(secret, digest_size=32, person=_MAC_PERSON).digest()
+
+
+def sign(key: bytes, redis_key: bytes, payload: bytes) -> bytes:
+    """``payload`` followed by its MAC under ``key``, bound to the full ``redis_key`` it is stored under."""
+    return payload + _mac(key, redis_key, payload)
+
+
+def _mac(key: bytes, redis_key: bytes, payload: bytes | memoryview) -> bytes:
+    digest = hashlib.blake2b(key=key, digest_size=MAC_BYTES, person=_MAC_PERSON)
+    digest.update(len(redis_key).to_bytes(4, "big"))  # the key's length first: key/payload splits cannot collide
+    digest.update(redis_key)
+    digest.update(payload)
+    return digest.digest()
 
 
 def redacted(url: str) -> str:
@@ -58,11 +98,14 @@ class RedisTier:
     pipeline of ``SET ... PX`` with a time to live).
     """
 
-    def __init__(self, url: str, *, timeout_s: float, retry_s: float, ttl_s: float = 0.0,
-                 key_prefix: str = "coalesce:", logger: Logger | None = None,
-                 metrics: PipelineMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 log_interval_s: float = ERROR_LOG_INTERVAL_S) -> None:
+    def __init__(self, url: str, *, timeout_s: float, retry_s: float, mac_secret: bytes, ttl_s: float = 0.0,
+                 key_prefix: str = "coalesce:", password: str | None = None, ca_file: str | None = None,
+                 logger: Logger | None = None, metrics: PipelineMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic, log_interval_s: float = ERROR_LOG_INTERVAL_S) -> None:
         """Connect lazily to ``url``; a Redis that is down at start is reported, not fatal.
+
+        ``mac_secret`` signs and verifies every value (``mac_key``); ``password`` is sent with
+        ``AUTH``; ``ca_file`` verifies a ``rediss://`` server (the system's CAs without it).
 
         Raises:
             ConfigError: If the ``redis`` package is missing or ``url`` cannot be parsed.
@@ -83,10 +126,16 @@ class RedisTier:
         self._clock = clock
         self._log_interval_s = log_interval_s
         self._errors = redis.RedisError
+        self._mac_key = mac_key(mac_secret)
+        self._last_corrupt_log = float("-inf")
+        self._unlogged_corrupt = 0
+        extra: dict[str, Any] = {"password": password} if password else {}
+        if ca_file and url.startswith("rediss://"):
+            extra["ssl_ca_certs"] = ca_file
         try:
             # No client-side retries: one bounded attempt, then the tier stands aside for retry_s.
             self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+                                                retry=Retry(NoBackoff(), 0), health_check_interval=0, **extra)
         except ValueError as exc:
             raise ConfigError(f"parameter 'redis_url' has bad value '{self.url}': {exc}") from None
         self._lock = threading.Lock()
@@ -108,34 +157,46 @@ class RedisTier:
         """False while the tier stands aside after an error."""
         return self._clock() >= self._down_until
 
-    def get_many(self, keys: Sequence[bytes], layouts: Sequence[RowLayout]) -> list[RowOutputs | None]:
+    def get_many(self, keys: Sequence[bytes], layouts: Sequence[RowLayout],
+                 unit_norm: Sequence[bool] = ()) -> list[RowOutputs | None]:
         """The stored outputs of each key (read-only arrays laid out as ``layouts[i]``), or None.
 
-        All None while Redis is unavailable; a value of another size is counted as corrupt and missed.
+        ``unit_norm[j]`` says output ``j`` is L2-normalised by the task (its vectors must have
+        norm 1). All None while Redis is unavailable; a reply or value that fails a check
+        (see the module's notes) is counted as corrupt and missed.
         """
+        if len(keys) != len(layouts):
+            raise ValueError(f"{len(keys)} keys for {len(layouts)} layouts")
         if not keys:
             return []
         if not self.available:
             self._count("shared_cache_skipped_rows", len(keys))
             return [None] * len(keys)
         start = time.perf_counter()
-        values = self._call("get", self._client.mget, [self._prefix + k for k in keys])
+        redis_keys = [self._prefix + k for k in keys]
+        values = self._call("get", self._client.mget, redis_keys)
         if self._metrics is not None:
             self._metrics.shared_cache_lookup_seconds.observe(time.perf_counter() - start)
         if values is None:
             return [None] * len(keys)
-        found: list[RowOutputs | None] = []
-        corrupt = 0
-        for value, layout in zip(values, layouts, strict=True):
-            row = None if value is None else _decode(value, layout)
-            if value is not None and row is None:
-                corrupt += 1  # not ours, or of another shape: a miss, never a wrong answer
-            found.append(row)
+        found: list[RowOutputs | None] = [None] * len(keys)
+        corrupt: dict[str, int] = {}
+        if not isinstance(values, list) or len(values) != len(keys):
+            # Not MGET's answer to our keys (a proxy or another client's reply): nothing in it can be trusted.
+            corrupt["reply"] = len(keys)
+        else:
+            for i, value in enumerate(values):
+                if value is None:
+                    continue
+                row, why = self._verify(redis_keys[i], value, layouts[i], unit_norm)
+                if why:
+                    corrupt[why] = corrupt.get(why, 0) + 1  # a miss, never a wrong answer
+                found[i] = row
         hits = sum(v is not None for v in found)
         self._count("shared_cache_hits", hits)
         self._count("shared_cache_misses", len(keys) - hits)
         if corrupt:
-            self._count_error("corrupt", corrupt)
+            self._corrupt(corrupt)
         return found
 
     def put_many(self, keys: Sequence[bytes], rows: Sequence[RowOutputs]) -> None:
@@ -177,6 +238,44 @@ class RedisTier:
 
     # -- internals ---------------------------------------------------------------------------------------
 
+    def _verify(self, redis_key: bytes, value: object, layout: RowLayout,
+                unit_norm: Sequence[bool]) -> tuple[RowOutputs | None, str]:
+        """The row stored in ``value``, or None and why it is refused."""
+        if not isinstance(value, bytes):
+            return None, "type"
+        if len(value) != layout_bytes(layout) + MAC_BYTES:
+            return None, "size"
+        payload = memoryview(value)[:-MAC_BYTES]
+        if not hmac.compare_digest(_mac(self._mac_key, redis_key, payload), value[-MAC_BYTES:]):
+            return None, "mac"
+        row = _decode(payload, layout)
+        if row is None:
+            return None, "size"
+        for j, array in enumerate(row):
+            if array.dtype.kind in "fc" and not np.isfinite(array).all():
+                return None, "non-finite"
+            if j < len(unit_norm) and unit_norm[j] and array.ndim and array.shape[-1]:
+                norms = np.linalg.norm(array.reshape(-1, array.shape[-1]).astype(np.float64), axis=1)
+                if not (np.abs(norms - 1.0) <= UNIT_NORM_TOLERANCE).all():
+                    return None, "norm"
+        return row, ""
+
+    def _corrupt(self, reasons: dict[str, int]) -> None:
+        """Count refused values and log them at most once per interval (they are misses, not errors of Redis)."""
+        total = sum(reasons.values())
+        self._count_error("corrupt", total)
+        now = self._clock()
+        with self._lock:
+            self._unlogged_corrupt += total
+            due = now - self._last_corrupt_log >= self._log_interval_s
+            if due:
+                count, self._unlogged_corrupt, self._last_corrupt_log = self._unlogged_corrupt, 0, now
+        if due:
+            why = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
+            self._logger.warning(
+                f"shared cache {self.url}: refused {count} value(s) that failed verification since the last "
+                f"message (now: {why}); computed those rows instead and overwrite them")
+
     def _write_loop(self) -> None:
         while True:
             with self._pending_cond:
@@ -202,11 +301,12 @@ class RedisTier:
                     self._pending_cond.notify_all()
 
     def _store(self, rows: list[tuple[bytes, bytes]]) -> Any:
+        signed = [(self._prefix + key, sign(self._mac_key, self._prefix + key, value)) for key, value in rows]
         if self.ttl_ms is None:
-            return self._client.mset({self._prefix + key: value for key, value in rows})
+            return self._client.mset(dict(signed))
         pipe = self._client.pipeline(transaction=False)
-        for key, value in rows:
-            pipe.set(self._prefix + key, value, px=self.ttl_ms)
+        for key, value in signed:
+            pipe.set(key, value, px=self.ttl_ms)
         return pipe.execute()
 
     def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -262,7 +362,7 @@ def layout_bytes(layout: RowLayout) -> int:
     return sum(dtype.itemsize * int(np.prod(shape, dtype=np.int64)) for dtype, shape in layout)
 
 
-def _decode(value: bytes, layout: RowLayout) -> RowOutputs | None:
+def _decode(value: bytes | memoryview, layout: RowLayout) -> RowOutputs | None:
     """The arrays of one stored row, or None when its size is not the layout's."""
     if len(value) != layout_bytes(layout):
         return None

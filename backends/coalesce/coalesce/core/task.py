@@ -129,6 +129,13 @@ class Task(abc.ABC):
     def fingerprint(self) -> dict[str, Any]:
         """Everything of the task that decides its outputs (settings, digests of its files), for cache keys."""
 
+    def unit_norm_outputs(self) -> frozenset[str]:
+        """The outputs the task L2-normalises: each vector along their last axis has norm 1.
+
+        A cache may refuse a stored value of these outputs that is not; none by default.
+        """
+        return frozenset()
+
     @classmethod
     def complete(cls, config: Mapping[str, Any], graph: GraphIO | None) -> tuple[list[TensorSpec], list[TensorSpec]]:
         """What auto-completion adds to a config: (inputs, outputs), each only where the config declares none.

@@ -52,5 +52,9 @@ class EmbeddingTask(TextTask):
         mask = np.arange(batch.padded_length)[None, :] < batch.lengths[:, None]
         return {OUTPUT_EMBEDDING: pool(hidden, mask, mode=self.pooling, normalize=self.normalize)}
 
+    def unit_norm_outputs(self) -> frozenset[str]:
+        """``EMBEDDING`` where the task normalises it."""
+        return frozenset({OUTPUT_EMBEDDING}) if self.normalize else frozenset()
+
     def _output_settings(self) -> dict[str, Any]:
         return {"pooling": self.pooling, "normalize": self.normalize}
