@@ -127,10 +127,6 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     stop = threading.Event()
     start = time.monotonic()
 
-    def redis_pid() -> int | None:
-        process = redis._process  # the soak restarts it: always the current one
-        return process.pid if process is not None and process.poll() is None else None
-
     def worker(seed: int) -> None:
         rng = random.Random(seed)
         client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -155,7 +151,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             stubs = [s.pid for s in stub_processes(pid)] if pid else []
             samples.append({"t_s": time.monotonic() - start, "server_mib": rss_mib(pid) if pid else 0.0,
                             "stubs_mib": sum(rss_mib(p) for p in stubs), "stubs": len(stubs),
-                            "redis_mib": rss_mib(rp) if (rp := redis_pid()) else 0.0})
+                            "redis_mib": rss_mib(rp) if (rp := redis.pid) else 0.0})
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.workers)]
     threads.append(threading.Thread(target=sample, daemon=True))

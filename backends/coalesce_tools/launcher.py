@@ -624,6 +624,12 @@ class RedisServer:
         self.stop()
         raise LaunchError(f"redis-server on port {self.port} did not answer within {timeout_s:.0f} s")
 
+    @property
+    def pid(self) -> int | None:
+        """Its process id while it runs."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
+
     def kill(self) -> None:
         """SIGKILL it (a crash, for tests); ``start`` brings it back on the same port, empty."""
         if self._process is not None and self._process.poll() is None:
