@@ -1,7 +1,8 @@
 """Client library for Coalesce embedding models served by Triton (HTTP and gRPC)."""
 
-from coalesce_client.client import AsyncEmbeddingClient, EmbeddingClient
+from coalesce_client.client import AsyncEmbeddingClient, EmbeddingClient, TlsOptions
 from coalesce_client.errors import (
+    AccessDeniedError,
     ClientError,
     InvalidInputError,
     ModelNotFoundError,
@@ -10,8 +11,10 @@ from coalesce_client.errors import (
     ServerError,
     ServerUnavailableError,
 )
+from coalesce_client.retry import RetryPolicy
 
 __all__ = [
+    "AccessDeniedError",
     "AsyncEmbeddingClient",
     "ClientError",
     "EmbeddingClient",
@@ -19,6 +22,8 @@ __all__ = [
     "ModelNotFoundError",
     "RequestRejectedError",
     "RequestTimeoutError",
+    "RetryPolicy",
     "ServerError",
     "ServerUnavailableError",
+    "TlsOptions",
 ]

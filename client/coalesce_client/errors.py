@@ -15,6 +15,14 @@ class InvalidInputError(ClientError):
     """The server rejected the request's input (Triton ``INVALID_ARG``, HTTP 400)."""
 
 
+class AccessDeniedError(ClientError):
+    """The server refused the request for want of a credential; retrying will not help.
+
+    A header Triton's restricted APIs expect is missing or wrong (``--http-restricted-api``,
+    ``--grpc-restricted-protocol``), or a proxy in front answered 401/403.
+    """
+
+
 class ModelNotFoundError(ClientError):
     """The model is unknown to the server or not loaded."""
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from coalesce_client.client import EmbeddingClient
+from coalesce_client.client import EmbeddingClient, TlsOptions
 
 _WORDS = ("batch", "queue", "latency", "token", "model", "server", "request", "vector", "embedding", "search",
           "index", "cache", "throughput", "kernel", "padding", "tensor", "shape", "runtime", "engine", "client",
@@ -55,19 +55,21 @@ def sample_texts(count: int, seed: int = 0) -> list[str]:
     return [f"{i} " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 16))) for i in range(count)]
 
 
-def model_statistics(url: str, model: str) -> dict[str, int]:
+def model_statistics(url: str, model: str, *, tls: TlsOptions | None = None,
+                     headers: Mapping[str, str] | None = None) -> dict[str, int]:
     """Triton's cumulative counts for ``model`` over gRPC, summed over its versions.
 
     Returns ``inference_count`` (rows that succeeded), ``execution_count`` (backend
-    ``execute`` calls) and ``failure_count`` (failed inference requests).
+    ``execute`` calls) and ``failure_count`` (failed inference requests). ``tls`` and
+    ``headers`` as for ``EmbeddingClient``.
     """
     import tritonclient.grpc as grpcclient
 
     from coalesce_client.client import translate_error
 
-    client = grpcclient.InferenceServerClient(url)
+    client = grpcclient.InferenceServerClient(url, **(tls.grpc_arguments() if tls else {}))
     try:
-        stats = client.get_inference_statistics(model, as_json=True)
+        stats = client.get_inference_statistics(model, headers=dict(headers) if headers else None, as_json=True)
     except Exception as exc:
         raise translate_error(exc, model=model, url=url, timeout_s=None) from exc
     finally:
@@ -80,9 +82,10 @@ def model_statistics(url: str, model: str) -> dict[str, int]:
     return totals
 
 
-def model_counts(url: str, model: str) -> tuple[int, int]:
+def model_counts(url: str, model: str, *, tls: TlsOptions | None = None,
+                 headers: Mapping[str, str] | None = None) -> tuple[int, int]:
     """``(inference_count, execution_count)`` of ``model`` from Triton's statistics over gRPC."""
-    totals = model_statistics(url, model)
+    totals = model_statistics(url, model, tls=tls, headers=headers)
     return totals["inference_count"], totals["execution_count"]
 
 
@@ -101,7 +104,10 @@ def run_load(client: EmbeddingClient, *, stats_url: str, requests: int = 256, co
     texts = sample_texts(requests * texts_per_request, seed)
     batches: Sequence[list[str]] = [texts[i * texts_per_request:(i + 1) * texts_per_request]
                                     for i in range(requests)]
-    before = model_counts(stats_url, client.model)
+    def counts() -> tuple[int, int]:
+        return model_counts(stats_url, client.model, tls=client.tls, headers=client.headers)
+
+    before = counts()
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for _ in pool.map(client.embed, batches):
@@ -110,10 +116,10 @@ def run_load(client: EmbeddingClient, *, stats_url: str, requests: int = 256, co
     # Triton records an execution's statistics just after sending its responses: let them land.
     expected = before[0] + requests * texts_per_request
     settle_deadline = time.monotonic() + 5.0
-    after = model_counts(stats_url, client.model)
+    after = counts()
     while after[0] < expected and time.monotonic() < settle_deadline:
         time.sleep(0.05)
-        after = model_counts(stats_url, client.model)
+        after = counts()
     return LoadReport(requests=requests, texts_per_request=texts_per_request, concurrency=concurrency,
                       protocol=client.protocol, wall_s=wall_s, inference_count=after[0] - before[0],
                       execution_count=after[1] - before[1])

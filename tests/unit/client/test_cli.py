@@ -20,6 +20,13 @@ def nobody():
     (["load", "--concurrency"], "argument --concurrency: expected one argument"),
     (["--protocol", "tcp", "health"], "argument --protocol: invalid choice: 'tcp'"),
     ([], "the following arguments are required: command"),
+    (["--max-attempts", "0", "health"], "max_attempts must be at least 1, got 0"),
+    (["--timeout-s", "0", "health"], "timeout_s must be > 0, got 0.0"),
+    (["--ca-cert", "/nonexistent/ca.pem", "health"], "TLS ca_cert '/nonexistent/ca.pem' is not a file"),
+    (["--client-cert", "/nonexistent/c.pem", "health"], "client_cert and client_key go together"),
+    (["--header", "authorization", "health"], "--header takes NAME=VALUE, got 'authorization'"),
+    (["--header-env", "authorization=COALESCE_TEST_UNSET", "health"],
+     "--header-env authorization: environment variable COALESCE_TEST_UNSET is not set"),
 ])
 def test_bad_usage_exits_2_saying_what_is_wrong(capsys, argv, fragment):
     with pytest.raises(SystemExit) as info:

@@ -5,6 +5,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from coalesce_client import (
+    AccessDeniedError,
     ClientError,
     EmbeddingClient,
     InvalidInputError,
@@ -38,6 +39,14 @@ def test_encode_texts():
     ("StatusCode.UNAVAILABLE", "Request timeout expired", RequestRejectedError),
     ("503", "Request timeout expired", RequestRejectedError),
     ("503", "model is unloading", ServerUnavailableError),
+    # Triton's restricted APIs without their header: an access error, never retried (gRPC says UNAVAILABLE).
+    ("StatusCode.UNAVAILABLE", "This protocol is restricted, expecting header 'triton-grpc-protocol-key'",
+     AccessDeniedError),
+    ("403", "This API is restricted, expecting header 'key'", AccessDeniedError),
+    ("401", "Unauthorized", AccessDeniedError),
+    # A known model with no version loaded (unloading at shutdown, reloading) is unavailable for now, not unknown.
+    ("400", "Request for unknown model: 'minilm' has no available versions", ServerUnavailableError),
+    ("StatusCode.UNAVAILABLE", "Request for unknown model: 'minilm' has no available versions", ServerUnavailableError),
 ])
 def test_error_translation(status, message, kind):
     error = translate_error(InferenceServerException(msg=message, status=status), model="m", url="u", timeout_s=1)
