@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,3 +163,17 @@ def test_serve_prints_endpoints_and_stops_on_sigterm(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_the_readme_snippet_runs_as_written(server):
+    from tests.conftest import ROOT
+
+    readme = (ROOT / "client" / "README.md").read_text()
+    (snippet,) = re.findall(r"```python\n(from coalesce_client import EmbeddingClient, AsyncEmbeddingClient.*?)```",
+                            readme, re.S)
+    scope: dict[str, object] = {}
+    exec(snippet.replace("localhost:8001", server.grpc_url), scope)  # the README's own code, as a user runs it
+    assert scope["vectors"].shape == (2, 384)
+    assert [m.shape for m in scope["many"]] == [(1, 384), (2, 384)]
+    assert scope["patient"].embed(["patient"]).shape == (1, 384)
+    scope["patient"].close()
