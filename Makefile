@@ -14,7 +14,7 @@ TUNE_PROFILE ?= queries
 SOAK_S ?= 600
 SOAK_ARGS ?=
 
-.PHONY: setup serve test unit integration lint lock clean bench bench-shared bench-neighbours eval-adaptive load tune soak
+.PHONY: setup serve test unit integration lint lock clean bench bench-shared bench-neighbours eval-adaptive load tune soak flood
 
 setup:                 ## venv, pinned packages, OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -45,6 +45,10 @@ eval-adaptive:         ## adaptive scheduling vs the best static config coalesce
 soak:                  ## SOAK_S seconds (600) of mixed load, bad inputs, Redis restarted twice, a stub killed; writes perf/results/soak-*
 	@bash scripts/setup.sh
 	$(BIN)/python -m perf.soak --duration-s $(SOAK_S) $(SOAK_ARGS)
+
+flood:                 ## 64 threads of 1 MiB rows at minilm for FLOOD_SECONDS (60): RSS bounded, canaries answered; writes perf/results/flood-<date>.md
+	@bash scripts/setup.sh
+	COALESCE_FLOOD=1 FLOOD_REPORT=perf/results/flood-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_flood.py
 
 load:                  ## Locust, headless: steady/poisson/burst/ramp over gRPC and HTTP; writes perf/results/load-*
 	@bash scripts/setup.sh
