@@ -8,8 +8,8 @@ serve`` and in the container) and does that reload itself:
 1. every ``interval_s`` it lists the server's stub processes (``/proc``: children of the
    server whose program is ``triton_python_backend_stub``; the model is the folder of the
    ``model.py`` they run, the instance their eighth argument);
-2. an instance of a READY model that had a live stub and has none (its stub a zombie,
-   or gone) on ``confirm_scans`` scans in a row marks its model dead;
+2. a stub seen alive that is now a zombie (exited, not reaped: Triton reaps the stubs it
+   stops at once) on ``confirm_scans`` scans in a row marks its READY model dead;
 3. it unloads the model through the repository API (from then on
    ``/v2/models/<m>/ready`` is false and new requests get Triton's "unavailable" error
    rather than a dead stub's), then loads it again from the repository, retrying with
@@ -116,10 +116,12 @@ class Supervisor:
         self._health: http.server.ThreadingHTTPServer | None = None
         self._lock = threading.Lock()
         self._recovering: set[str] = set()
-        #: Per model: the instance names seen alive while it was READY.
-        self._seen: dict[str, set[str]] = {}
-        #: (model, instance) → scans in a row on which it had no live stub.
-        self._suspect: dict[tuple[str, str], int] = {}
+        #: Every stub seen alive: pid → (model, instance). A zombie's own entry no longer names them.
+        self._known: dict[int, tuple[str, str]] = {}
+        #: Zombie stub pids → scans in a row they have been seen dead.
+        self._suspect: dict[int, int] = {}
+        #: Zombies whose model was already reloaded (Triton reaps them when the old instance goes).
+        self._handled: set[int] = set()
         #: Models reloaded since start, in order (for logs and tests).
         self.recoveries: list[tuple[str, float]] = []
 
@@ -146,37 +148,48 @@ class Supervisor:
         return states
 
     def unload(self, model: str) -> None:
-        """Ask Triton to unload ``model`` (it answers at once; the model is UNLOADING until its requests finish)."""
-        status, body = self._call("POST", f"/v2/repository/models/{model}/unload",
-                                  json.dumps({"parameters": {"unload_dependents": False}}).encode())
+        """Ask Triton to unload ``model`` (the model is UNLOADING until its requests finish)."""
+        try:
+            status, body = self._call("POST", f"/v2/repository/models/{model}/unload",
+                                      json.dumps({"parameters": {"unload_dependents": False}}).encode(),
+                                      timeout_s=30.0)
+        except OSError as exc:  # a busy server may answer late; the load that follows waits for it anyway
+            status, body = 0, repr(exc).encode()
         if status != 200:
             self._log(f"coalesce supervisor: unloading '{model}' answered {status}: {body[:200]!r}")
 
     # --- detection -------------------------------------------------------------------------------------------------
 
     def dead_models(self) -> set[str]:
-        """One scan: the models with a stub dead on ``confirm_scans`` scans in a row."""
+        """One scan: the READY models with a stub that has been a zombie on ``confirm_scans`` scans in a row.
+
+        A stub that exits in a normal unload or reload is reaped by Triton at once (it waits
+        for it), so only a stub that died on its own stays a zombie. Stubs that come and go
+        (the one Triton starts to auto-complete a config, the instances of a reload) are
+        never suspects.
+        """
         pid = self._server_pid()
         if pid is None:
             return set()
         stubs = stub_processes(pid)
         states = self.model_states()
-        live: dict[str, set[str]] = {}
+        present = {stub.pid for stub in stubs}
         for stub in stubs:
-            if not stub.dead:  # a zombie names no model; its instance is missing from ``live`` below
-                live.setdefault(stub.model, set()).add(stub.instance)
-        suspects: dict[tuple[str, str], int] = {}
+            if not stub.dead:
+                self._known[stub.pid] = (stub.model, stub.instance)
+        self._known = {p: v for p, v in self._known.items() if p in present}
+        self._handled &= present
+        suspects: dict[int, int] = {}
         dead: set[str] = set()
-        for model, state in states.items():
-            if state != "READY" or model in self._recovering:
-                self._seen.pop(model, None)
+        for stub in stubs:
+            if not stub.dead or stub.pid not in self._known or stub.pid in self._handled:
                 continue
-            seen = self._seen.setdefault(model, set())
-            seen |= live.get(model, set())
-            for instance in seen - live.get(model, set()):
-                suspects[model, instance] = self._suspect.get((model, instance), 0) + 1
-                if suspects[model, instance] >= self.options.confirm_scans:
-                    dead.add(model)
+            model = self._known[stub.pid][0]
+            if states.get(model) != "READY" or model in self._recovering:
+                continue
+            suspects[stub.pid] = self._suspect.get(stub.pid, 0) + 1
+            if suspects[stub.pid] >= self.options.confirm_scans:
+                dead.add(model)
         self._suspect = suspects
         return dead
 
@@ -209,7 +222,7 @@ class Supervisor:
         while not self._stop.wait(self.options.interval_s):
             try:
                 dead = self.dead_models()
-            except (OSError, RuntimeError, ValueError, urllib.error.URLError) as exc:
+            except Exception as exc:
                 # The server is starting, stopping or busy: look again next interval.
                 self._log_once(f"coalesce supervisor: scan failed: {exc!r}")
                 continue
@@ -218,11 +231,13 @@ class Supervisor:
                     self._recovering.add(model)
                 try:
                     self.recover(model)
+                except Exception as exc:  # the supervisor must outlive any one failure: it is the operator
+                    self._log(f"coalesce supervisor: reloading '{model}' failed: {exc!r}")
                 finally:
+                    self._handled |= {p for p, (m, _) in self._known.items() if m == model}
+                    self._suspect = {}
                     with self._lock:
                         self._recovering.discard(model)
-                    self._seen.pop(model, None)
-                    self._suspect = {}
 
     _last_logged: str = ""
 
