@@ -19,7 +19,7 @@ SOAK_ARGS ?=
 setup:                 ## venv, pinned packages, OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
 
-serve: setup           ## start Triton on $(MODEL_REPOSITORY) (HTTP_PORT, GRPC_PORT, METRICS_PORT, MODEL_CONTROL, RESPONSE_CACHE_BYTES, RATE_LIMIT)
+serve: setup           ## start Triton on $(MODEL_REPOSITORY) (HOST, *_PORT, MODEL_CONTROL, COALESCE_ADMIN_KEY, GRPC_TLS_*, RESPONSE_CACHE_BYTES, RATE_LIMIT)
 	$(BIN)/coalesce serve --model-repository "$(MODEL_REPOSITORY)"
 
 test: setup            ## lint, then unit and integration tests (a real tritonserver)
