@@ -288,6 +288,11 @@ class TritonServer:
         return {ADMIN_HEADER: self._admin_key} if self._admin_key else {}
 
     @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        """The same over gRPC, where Triton expects the header as ``triton-grpc-protocol-<name>``."""
+        return {f"triton-grpc-protocol-{k}": v for k, v in self.admin_headers.items()}
+
+    @property
     def supervisor(self) -> Supervisor | None:
         """The supervisor reloading models whose stub died, once the server is ready (None if unsupervised)."""
         return self._supervisor

@@ -210,10 +210,21 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(point.label())
             try:
                 client.load_model(args.model, config=json.dumps(config_override(base, point)))
-                measured = perfanalyzer.measure(
-                    model=args.model, protocol=args.protocol, url=url, grpc_url=server.grpc_url,
-                    input_data=args.input_data, concurrency=args.concurrency, request_count=args.request_count,
-                    workdir=workdir, timeout_s=max(30.0, args.budget_s - (time.monotonic() - started)))
+                measured = None
+                for request_count in (args.request_count, 2 * args.request_count):
+                    try:
+                        measured = perfanalyzer.measure(
+                            model=args.model, protocol=args.protocol, url=url, grpc_url=server.grpc_url,
+                            input_data=args.input_data, concurrency=args.concurrency, request_count=request_count,
+                            workdir=workdir, timeout_s=max(30.0, args.budget_s - (time.monotonic() - started)))
+                        break
+                    except perfanalyzer.PerfAnalyzerError as exc:
+                        # A noisy machine may never give three steady windows: once more, with windows twice as long.
+                        if "stable measurement" not in str(exc) or request_count != args.request_count:
+                            raise
+                        bar.write(f"coalesce tune: point {point.label()} was not stable over windows of "
+                                  f"{request_count} requests; measuring again with {2 * request_count}")
+                assert measured is not None
             except Exception as exc:  # a failing point is reported and skipped, never fatal
                 # tritonclient's exceptions carry the server's words in message().
                 message_of = getattr(exc, "message", None)

@@ -22,7 +22,9 @@ def cached_server(tmp_path_factory, version_dir):
 def stats(server):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        entry = client.get_inference_statistics("minilm_rc", as_json=True)["model_stats"][0]
+        # Statistics are an admin API: the server restricts them (model control none: a key only it knows).
+        entry = client.get_inference_statistics("minilm_rc", headers=server.grpc_admin_headers,
+                                                as_json=True)["model_stats"][0]
     finally:
         client.close()
     hits = int(entry["inference_stats"].get("cache_hit", {}).get("count", 0))
