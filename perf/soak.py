@@ -37,7 +37,8 @@ from typing import Any, Final
 import numpy as np
 
 from coalesce_tools.launcher import RedisServer, ServerOptions, TritonServer, free_port
-from coalesce_tools.supervisor import SupervisorOptions, stub_processes
+from coalesce_tools.processes import rss_kib, stub_processes
+from coalesce_tools.supervisor import SupervisorOptions
 from perf.neighbours import build_repository, request_pools
 from perf.outcomes import percentile
 from perf.repository import with_parameters
@@ -65,13 +66,7 @@ def bad_requests() -> list[tuple[str, list[tuple[str, np.ndarray, str]]]]:
 
 def rss_mib(pid: int) -> float:
     """Resident memory of ``pid`` in MiB (0 if it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return rss_kib(pid) / 1024
 
 
 @dataclasses.dataclass

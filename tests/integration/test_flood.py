@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from coalesce_tools.processes import rss_kib, stub_processes
+
 MODEL = "minilm"
 MIB = 1 << 20
 #: Defaults of max_request_bytes and of Triton's refusal when its queue is full.
@@ -38,36 +40,6 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
-def rss_kib(pid: int) -> int:
-    """VmRSS of a process in KiB (0 once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def stubs(server_pid: int) -> dict[int, str]:
-    """The server's Python backend stub processes: pid -> the model instance it serves (from its command line)."""
-    found: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if int(rest[1]) != server_pid or not comm.startswith("triton_python_b"):
-            continue
-        names = [part.decode(errors="replace") for part in cmdline if b"_0_" in part or b"/" in part]
-        found[int(entry.name)] = " ".join(names)
-    return found
-
-
 class Sampler(threading.Thread):
     """Samples the RSS of the server and of each stub every ``interval_s`` until stopped."""
 
@@ -76,13 +48,12 @@ class Sampler(threading.Thread):
         self.server_pid, self.interval_s = server_pid, interval_s
         self.samples: list[tuple[float, int, int, int]] = []  # (t, server KiB, model's stub KiB, all stubs KiB)
         self.stop = threading.Event()
-        self.model_stub = next((pid for pid, cmd in stubs(server_pid).items() if f"/{MODEL}/" in cmd
-                                or f"{MODEL}_0_0" in cmd.split()), None)
+        self.model_stub = next((s.pid for s in stub_processes(server_pid) if s.model == MODEL), None)
 
     def run(self) -> None:
         start = time.monotonic()
         while not self.stop.is_set():
-            children = stubs(self.server_pid)
+            children = [s.pid for s in stub_processes(self.server_pid)]
             self.samples.append((time.monotonic() - start, rss_kib(self.server_pid),
                                  rss_kib(self.model_stub) if self.model_stub else 0,
                                  sum(rss_kib(pid) for pid in children)))
@@ -107,7 +78,7 @@ def test_a_flood_of_large_rows_is_bounded_and_small_requests_keep_being_answered
     stub_bound_mib = int(_env("FLOOD_STUB_RSS_MIB", "2048"))
     assert server.pid is not None
     sampler = Sampler(server.pid)
-    assert sampler.model_stub is not None, f"no stub of {MODEL} among {stubs(server.pid)}"
+    assert sampler.model_stub is not None, f"no stub of {MODEL} among {stub_processes(server.pid)}"
 
     # One input per request size, serialised once and shared by every thread (they only read it).
     inputs = {}

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from coalesce_tools.launcher import GrpcTls, LaunchError, ServerOptions, TritonServer, free_port
-from coalesce_tools.supervisor import SupervisorOptions, stub_processes
+from coalesce_tools.processes import stub_processes
+from coalesce_tools.supervisor import SupervisorOptions
 from tests.certs import make_certificates
 from tests.conftest import REPOSITORY, built
 from tests.integration.conftest import add_model

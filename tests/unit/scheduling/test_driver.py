@@ -30,6 +30,19 @@ from tests.unit.fakes import (
 )
 
 
+class HeldRuntime(EncoderRuntime):
+    """Holds every pass at ``gate`` (after setting ``started``), so a test can queue requests behind it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.started = threading.Event(), threading.Event()
+
+    def compute(self, feeds):
+        self.started.set()
+        self.gate.wait(10)
+        return super().compute(feeds)
+
+
 class Answers:
     """Collects answers; fails the test on a second answer to the same request."""
 
@@ -219,15 +232,10 @@ def test_queue_bound_and_tenant_rate_limit_refuse_with_their_reasons():
 
 
 def test_close_answers_what_is_queued_and_returns():
-    gate, started = threading.Event(), threading.Event()
+    held = HeldRuntime()
+    gate, started = held.gate, held.started
 
-    class SlowRuntime(EncoderRuntime):
-        def compute(self, feeds):
-            started.set()
-            gate.wait(10)
-            return super().compute(feeds)
-
-    scheduler, _ = make_scheduler(SlowRuntime(), target_p99_ms=60_000, max_dispatch_rows=1)
+    scheduler, _ = make_scheduler(held, target_p99_ms=60_000, max_dispatch_rows=1)
     answered = Answers()
     submitter = threading.Thread(target=submit, args=(scheduler, [
         Submission(tensors=text_request(f"row {i}"), respond=answered.responder(i)) for i in range(5)]))
@@ -312,15 +320,10 @@ def test_a_long_dispatch_goes_to_the_scheduler_thread():
 
 
 def test_while_a_dispatch_runs_new_requests_queue_and_are_answered_later():
-    gate, started = threading.Event(), threading.Event()
+    held = HeldRuntime()
+    gate, started = held.gate, held.started
 
-    class GatedRuntime(EncoderRuntime):
-        def compute(self, feeds):
-            started.set()
-            gate.wait(10)
-            return super().compute(feeds)
-
-    scheduler, _ = make_scheduler(GatedRuntime(), target_p99_ms=60_000)
+    scheduler, _ = make_scheduler(held, target_p99_ms=60_000)
     answered = Answers()
     first = threading.Thread(target=submit, args=(scheduler, [
         Submission(tensors=text_request("first"), respond=answered.responder("first"))]))
@@ -366,15 +369,10 @@ def thread_scheduler(runtime=None, **parameters):
 
 
 def test_queue_bound_in_bytes_refuses_saying_how_many_bytes_it_holds():
-    gate, started = threading.Event(), threading.Event()
+    held = HeldRuntime()
+    gate, started = held.gate, held.started
 
-    class HeldRuntime(EncoderRuntime):
-        def compute(self, feeds):
-            started.set()
-            gate.wait(10)
-            return super().compute(feeds)
-
-    scheduler, factory = thread_scheduler(HeldRuntime(), max_queue_bytes=250, max_dispatch_rows=1)
+    scheduler, factory = thread_scheduler(held, max_queue_bytes=250, max_dispatch_rows=1)
     answered = Answers()
     submit(scheduler, [Submission(tensors=text_request("x" * 10), respond=answered.responder("running"))])
     assert started.wait(10)  # the executor is held: what follows stays queued
@@ -434,15 +432,10 @@ def test_a_dispatch_whose_runtime_raises_answers_internal_and_later_requests_are
 
 
 def test_a_failure_outside_the_pipeline_restarts_the_thread_and_answers_what_it_held():
-    gate, started = threading.Event(), threading.Event()
+    held = HeldRuntime()
+    gate, started = held.gate, held.started
 
-    class HeldRuntime(EncoderRuntime):
-        def compute(self, feeds):
-            started.set()
-            gate.wait(10)
-            return super().compute(feeds)
-
-    scheduler, factory = thread_scheduler(HeldRuntime(), max_dispatch_rows=1)
+    scheduler, factory = thread_scheduler(held, max_dispatch_rows=1)
     observe = scheduler.metrics.actual_seconds.observe
     broken = []
 

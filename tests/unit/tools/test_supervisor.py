@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from coalesce_tools.supervisor import StubProcess, stub_processes
+from coalesce_tools.processes import StubProcess, rss_kib, stub_processes
 
 SERVER_PID = 4678
 
@@ -35,3 +35,10 @@ def test_stubs_of_the_server_with_their_model_and_instance(tmp_path):
 def test_a_process_gone_between_listing_and_reading_is_skipped(tmp_path):
     (tmp_path / "99").mkdir()  # no stat, no cmdline: it exited
     assert stub_processes(SERVER_PID, tmp_path) == []
+
+
+def test_resident_memory_in_kib(tmp_path):
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "status").write_text("Name:\tredis-server\nVmPeak:\t  9000 kB\nVmRSS:\t  4321 kB\n")
+    assert rss_kib(7, tmp_path) == 4321
+    assert rss_kib(8, tmp_path) == 0  # gone
