@@ -128,13 +128,16 @@ class Supervisor:
         if pid is None:
             return set()
         stubs = stub_processes(pid)
-        states = self.model_states()
         present = {stub.pid for stub in stubs}
         for stub in stubs:
             if not stub.dead:
                 self._known[stub.pid] = (stub.model, stub.instance)
         self._known = {p: v for p, v in self._known.items() if p in present}
         self._handled &= present
+        if not any(s.dead and s.pid in self._known and s.pid not in self._handled for s in stubs):
+            self._suspect = {}
+            return set()  # the common case costs one read of /proc, no call to the server
+        states = self.model_states()
         suspects: dict[int, int] = {}
         dead: set[str] = set()
         for stub in stubs:

@@ -128,6 +128,7 @@ def steady(read, *, quiet_s=0.3, timeout_s=30.0):
 
 def test_cancelled_requests_are_dropped_before_they_are_computed(server, adaptive_models):
     """Requests cancelled while queued are answered CANCELLED and never reach a forward pass."""
+    sent = 48
     client = grpcclient.InferenceServerClient(server.grpc_url)
     long_text = "a long document that takes a while to embed " * 40
     done = threading.Semaphore(0)
@@ -140,9 +141,10 @@ def test_cancelled_requests_are_dropped_before_they_are_computed(server, adaptiv
     cancelled_before = steady(lambda: cancelled(server))
     computed_before = steady(lambda: metric(server, "coalesce_rows_total", LIMITED))
     try:
-        # One row per dispatch: the queue holds the later requests while the first ones run.
+        # One row per dispatch: the queue holds the later requests while the first ones run (enough of
+        # them that a fast machine has not answered 8 before the metric shows them queued).
         contexts = [client.async_infer(LIMITED, [text_input([f"{i} {long_text}"])], callback,
-                                       parameters={"tenant": "quiet"}) for i in range(12)]
+                                       parameters={"tenant": "quiet"}) for i in range(sent)]
         # Cancel only once the backend holds them queued (no race on a sleep).
         settled_metric(server, "coalesce_queue_requests", LIMITED, lambda v: v >= 8)
         for context in contexts[4:]:
@@ -154,9 +156,11 @@ def test_cancelled_requests_are_dropped_before_they_are_computed(server, adaptiv
     dropped = steady(lambda: cancelled(server)) - cancelled_before
     assert dropped >= 1, "no queued request was dropped as cancelled"
     assert sum(error is None for error in errors) >= 4  # the four not cancelled were answered
-    # Every request the server did not drop was computed, and only those: rows_total counts the
-    # rows that reached the pipeline, so a dropped request that had been computed would show here.
-    assert steady(lambda: metric(server, "coalesce_rows_total", LIMITED)) - computed_before == 12 - dropped
+    # rows_total counts the rows that reached the pipeline: a dropped request that had been computed
+    # would push it past sent - dropped. (Fewer is fine: a cancellation may also stop a request
+    # before the backend sees it.) Every answered request was computed.
+    computed = steady(lambda: metric(server, "coalesce_rows_total", LIMITED)) - computed_before
+    assert sum(error is None for error in errors) <= computed <= sent - dropped
 
 
 def test_the_client_sends_tenant_and_deadline_and_names_refusals(server, adaptive_models):

@@ -17,7 +17,7 @@ def test_short_tuning_session_writes_a_report_and_the_config(tmp_path, version_d
     out = tmp_path / "results"
     original = (repo / "minilm" / "config.pbtxt").read_text()
     code = tune_main(["--p99-ms", "1000000", "--model-repository", str(repo), "--input-data", str(data),
-                      "--concurrency", "4", "--request-count", "30", "--delays-us", "0,100",
+                      "--concurrency", "4", "--request-count", "100", "--delays-us", "0,100",
                       "--preferred", "none", "--rows", "16", "--tokens", "8192,100",
                       "--budget-s", "240", "--out", str(out), "--write"])
     assert code == 0
