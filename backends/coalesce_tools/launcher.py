@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Final
 
 from coalesce_tools.config import ConfigReadError, parameter, read_model_config
+from coalesce_tools.processes import programs_under
 from coalesce_tools.supervisor import Supervisor, SupervisorOptions
 
 CONTAINER_ROOT: Final = Path("/opt/tritonserver")
@@ -482,6 +483,11 @@ class TritonServer:
                     process.wait()
             if self._reader is not None:
                 self._reader.join(timeout=5)
+            # A server that hit its exit timeout (or was killed) leaves its stubs running, orphaned, for
+            # good: they run programs from our backend folder, so they are found and ended here.
+            for pid in programs_under(self._workdir):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self._workdir, ignore_errors=True)
         return None if process is None else process.returncode
 

@@ -51,6 +51,22 @@ def stub_processes(server_pid: int, proc: Path = Path("/proc")) -> list[StubProc
     return found
 
 
+def programs_under(folder: Path, proc: Path = Path("/proc")) -> list[int]:
+    """Pids of the live processes whose program lies in ``folder`` (a server's stubs outlive it when it is killed)."""
+    prefix = str(folder).rstrip("/") + "/"
+    found: list[int] = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            program = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue
+        if program.startswith(prefix):
+            found.append(int(entry.name))
+    return found
+
+
 def rss_kib(pid: int, proc: Path = Path("/proc")) -> int:
     """Resident memory (``VmRSS``) of ``pid`` in KiB; 0 once it is gone."""
     try:

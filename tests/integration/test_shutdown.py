@@ -103,3 +103,13 @@ def test_sigterm_answers_what_was_accepted_and_exits_in_time(tmp_path):
     assert exit_s <= EXIT_LIMIT_S, f"exited {exit_s:.1f} s after SIGTERM"
     assert not [o for o in outcomes if o.startswith(("LOST", "bad shape"))], summary
     assert outcomes.count("ok") >= IN_FLIGHT  # the calls in flight at the signal were answered
+    left = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _runs_from(p, repo)]
+    assert not left, f"processes of the stopped server still run: {left}"
+
+
+def _runs_from(entry: Path, repo: Path) -> bool:
+    """Whether process ``entry`` (a /proc folder) names a file of ``repo`` on its command line (a model's stub)."""
+    try:
+        return str(repo).encode() in (entry / "cmdline").read_bytes()
+    except OSError:
+        return False

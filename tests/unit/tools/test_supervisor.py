@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from coalesce_tools.processes import StubProcess, rss_kib, stub_processes
+from coalesce_tools.processes import StubProcess, programs_under, rss_kib, stub_processes
 
 SERVER_PID = 4678
 
@@ -42,3 +42,12 @@ def test_resident_memory_in_kib(tmp_path):
     (tmp_path / "7" / "status").write_text("Name:\tredis-server\nVmPeak:\t  9000 kB\nVmRSS:\t  4321 kB\n")
     assert rss_kib(7, tmp_path) == 4321
     assert rss_kib(8, tmp_path) == 0  # gone
+
+
+def test_programs_under_a_folder(tmp_path):
+    _process(tmp_path, 20, 1, "S", ["/tmp/coalesce-triton-ab/backends/python/triton_python_backend_stub", "x"],
+             "triton_python_b")  # orphaned: its server is gone
+    _process(tmp_path, 21, 1, "S", ["/tmp/coalesce-triton-abc/backends/python/triton_python_backend_stub"],
+             "triton_python_b")  # another server's folder, whose name only starts alike
+    _process(tmp_path, 22, 1, "Z", [], "triton_python_b")
+    assert programs_under(Path("/tmp/coalesce-triton-ab"), tmp_path) == [20]
