@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from coalesce.batching.pipeline import RequestResult
-from coalesce.core.errors import CoalesceError, RuntimeFailure
+from coalesce.core.errors import CoalesceError, RuntimeFailure, as_result
 from coalesce.core.limits import check_request_bytes
 from coalesce.core.tensors import TensorSpec
+from coalesce.generation.events import GenerationEvent
+from coalesce.generation.loader import GENERATION_INPUTS, load_engine
+from coalesce.generation.request import TEXT_OUTPUT
+from coalesce.generation.request import read_request as read_generation_request
 from coalesce.loader import complete_config, load_pipeline, read_settings
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import BufferedMetricFactory, SchedulerMetrics
@@ -100,7 +105,9 @@ class TritonPythonModel:
             auto_complete_model_config.add_output(spec.as_config())
         if completion.max_batch_size:
             auto_complete_model_config.set_max_batch_size(completion.max_batch_size)
-        if "sequence_batching" not in config and "ensemble_scheduling" not in config:
+        if completion.decoupled:
+            auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        elif "sequence_batching" not in config and "ensemble_scheduling" not in config:
             auto_complete_model_config.set_dynamic_batching()
             _bound_triton_queue(auto_complete_model_config, completion.max_queue_size)
         logger = Logger(str(config.get("name", "model")), pb_utils.Logger)
@@ -120,6 +127,17 @@ class TritonPythonModel:
         self._metric_factory = BufferedMetricFactory(
             _TritonMetricFactory(), interval_s=settings.metrics.metrics_interval_ms / 1000,
             on_error=lambda exc: logger.error(f"sending metrics failed: {exc!r}"))
+        self._engine: Any = None
+        if settings.task.task == "generate":
+            self._engine = load_engine(
+                config, version_dir, settings=settings, version=version, metric_factory=self._metric_factory,
+                logger=logger, instance_kind=args.get("model_instance_kind", "CPU"),
+                device_id=int(args.get("model_instance_device_id", 0) or 0))
+            self._settings = settings
+            self._batched = settings.max_batch_size > 0
+            logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}: "
+                        f"task 'generate'; parameters set {settings.changed()}")
+            return
         self._pipeline = load_pipeline(
             config, version_dir, version=version, settings=settings, metric_factory=self._metric_factory,
             logger=logger, instance_kind=args.get("model_instance_kind", "CPU"),
@@ -155,6 +173,9 @@ class TritonPythonModel:
         answered here; for the others the entry is None and the scheduler thread answers
         each through its response sender.
         """
+        if self._engine is not None:
+            self._generate(requests)
+            return None
         if self._scheduler is not None:
             ready = self._scheduler.submit([self._submission(request) for request in requests])
             return [None if result is None else _response(result) for result in ready]
@@ -162,8 +183,52 @@ class TritonPythonModel:
         results = pipeline.run(pipeline.read_all([self._tensors(request) for request in requests]))
         return [_response(result) for result in results]
 
+    def _generate(self, requests: list[Any]) -> None:
+        """Hand each request to the generation engine; it answers through the request's response sender.
+
+        A bad request is answered here (``INVALID_ARG`` naming the field), its neighbours
+        queue. Under ``generation_batching: request`` this waits until the whole batch
+        has finished, so that Triton holds the next batch back (static batching).
+        """
+        engine = self._engine
+        options = self._settings.generate
+        finished = []
+        for request in requests:
+            stream = _Stream(request, batched=self._batched)
+            try:
+                tensors = self._generation_tensors(request)
+                oversize = check_request_bytes(tensors, self._settings.task.max_request_bytes)
+                if oversize is not None:
+                    raise oversize
+                parsed = read_generation_request(tensors, request.parameters(), options)
+                prompt = engine.prompt_tokens(parsed)
+            except CoalesceError as exc:
+                stream(GenerationEvent(final=True, error=as_result(exc)))
+                continue
+            engine.submit(parsed, stream, is_cancelled=request.is_cancelled, prompt=prompt)
+            finished.append(stream.done)
+        if options.generation_batching == "request":
+            for done in finished:
+                done.wait()
+        return None
+
+    def _generation_tensors(self, request: Any) -> dict[str, np.ndarray]:
+        tensors: dict[str, np.ndarray] = {}
+        for name in GENERATION_INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                tensors[name] = tensor.as_numpy()
+        return tensors
+
     def finalize(self) -> None:
         """Answer what is queued, finish shared-cache writes, release the runtime, then the metrics."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+            self._metric_factory.close()
+            self._metric_factory = None  # type: ignore[assignment]
+            gc.collect()
+            return
         if self._scheduler is not None:
             self._scheduler.close()
         self._pipeline.close()
@@ -265,6 +330,34 @@ def _response(result: RequestResult) -> Any:
     if isinstance(result, CoalesceError):
         return pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(result))
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, value) for name, value in result.items()])
+
+
+class _Stream:
+    """Sends a generation request's responses through its response sender, from the engine's thread.
+
+    Each event becomes one response (``text_output``); the final one carries Triton's
+    final flag, and then the request is let go and ``done`` is set.
+    """
+
+    def __init__(self, request: Any, *, batched: bool) -> None:
+        self._request: Any = request
+        self._sender = request.get_response_sender()
+        self._shape = (1, 1) if batched else (1,)
+        self.done = threading.Event()
+
+    def __call__(self, event: GenerationEvent) -> None:
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if event.final else 0
+        try:
+            if event.error is not None:
+                response = pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(event.error))
+            else:
+                text = np.array([event.text.encode("utf-8")], dtype=np.object_).reshape(self._shape)
+                response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(TEXT_OUTPUT, text)])
+            self._sender.send(response, flags=flags)
+        finally:
+            if event.final:
+                self._request = None
+                self.done.set()
 
 
 class _Responder:

@@ -254,10 +254,91 @@ def recipe_digits(out_dir: Path, *, force: bool = False, seed: int = 0, steps: i
     return True
 
 
+#: Standard-library modules whose source trains ``tinylm``'s tokenizer: text every Python install has.
+TINYLM_CORPUS_MODULES: Final = ("argparse", "textwrap", "pathlib", "json.decoder", "email.message", "logging",
+                                "dataclasses", "inspect", "unittest.case", "http.client")
+#: ``tinylm``'s special tokens: beginning and end of text.
+TINYLM_BOS: Final = "<|bos|>"
+TINYLM_EOS: Final = "<|endoftext|>"
+
+
+def build_tinylm(hf_out: Path, *, seed: int = 0, vocab_size: int = 4096, hidden_size: int = 256,
+                 layers: int = 4, heads: int = 4, kv_heads: int = 2, context: int = 2048) -> dict[str, Any]:
+    """A small Llama-architecture causal LM with seeded weights and a byte-level BPE tokenizer, saved to ``hf_out``.
+
+    No generative weights ship in any package this project can reach, so the weights are
+    drawn from a seeded generator: the model is a real ``LlamaForCausalLM`` that
+    ``transformers`` loads and generates with, but its text is not meaningful. The
+    tokenizer is trained here (``tokenizers``' byte-level BPE) on the source of a few
+    standard-library modules. Deterministic for a given seed, Python and package versions.
+
+    Returns:
+        What the build depended on, for the stamp (corpus size in characters, parameter count).
+    """
+    import importlib.util
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    corpus: list[str] = []
+    for module in TINYLM_CORPUS_MODULES:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            corpus.append(Path(spec.origin).read_text(encoding="utf-8"))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TINYLM_BOS, TINYLM_EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    bos, eos = tokenizer.token_to_id(TINYLM_BOS), tokenizer.token_to_id(TINYLM_EOS)
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{TINYLM_BOS} $A", special_tokens=[
+        (TINYLM_BOS, bos)])
+    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=hidden_size,
+                         intermediate_size=hidden_size * 8 // 3 // 16 * 16, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
+                         bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        # Spread the logits over a few units (init's 0.02 leaves them all near 0): sampling at temperature 1
+        # then varies, and greedy choices are not near-ties that float rounding could flip.
+        model.lm_head.weight.mul_(8.0)
+    hf_out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(hf_out), safe_serialization=True)
+    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(str(hf_out))
+    tokenizer.save(str(hf_out / "tokenizer.json"))
+    (hf_out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": TINYLM_BOS, "eos_token": TINYLM_EOS,
+        "pad_token": TINYLM_EOS, "model_max_length": context}, indent=2) + "\n")
+    return {"corpus_chars": sum(len(text) for text in corpus),
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def recipe_tinylm(out_dir: Path, *, force: bool = False, seed: int = 0, **shape: int) -> bool:
+    """``tinylm``: a seeded Llama-architecture causal LM and its tokenizer in ``hf/`` (task ``generate``)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    recipe = {"format": EXPORT_FORMAT, "recipe": "tinylm", "seed": seed, **shape,
+              "python": sys.version.split()[0], "torch": torch.__version__,
+              "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+    stamp = _read_stamp(out_dir)
+    files = ["hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "hf/generation_config.json"]
+    if (not force and all(stamp.get(k) == v for k, v in recipe.items())
+            and all((out_dir / f).is_file() for f in files)):
+        return False
+    built = build_tinylm(out_dir / "hf", seed=seed, **shape)
+    _write_stamp(out_dir, {**recipe, **built})
+    return True
+
+
 #: Recipes by the name a model's ``recipe.json`` gives.
 RECIPES: Final[dict[str, Callable[..., bool]]] = {
     "minilm": recipe_minilm, "minilm-tokens": recipe_minilm_tokens,
-    "minilm-cross-encoder": recipe_minilm_cross_encoder, "digits": recipe_digits}
+    "minilm-cross-encoder": recipe_minilm_cross_encoder, "digits": recipe_digits, "tinylm": recipe_tinylm}
 
 
 def run_recipe(model_dir: Path, version_dir: Path, *, force: bool = False) -> bool:

@@ -148,6 +148,8 @@ class Completion:
     notes: list[str]
     #: ``dynamic_batching.default_queue_policy.max_queue_size`` to set, where the config bounds none.
     max_queue_size: int | None = None
+    #: The model streams (task ``generate``): decoupled, and no dynamic batching unless the config asks for it.
+    decoupled: bool = False
 
 
 def complete_config(config: Mapping[str, Any], version_dir: Path | None) -> Completion:
@@ -161,6 +163,14 @@ def complete_config(config: Mapping[str, Any], version_dir: Path | None) -> Comp
     """
     settings = read_settings(config)
     notes: list[str] = []
+    if settings.task.task == "generate":
+        from coalesce.generation.loader import contract_completion
+
+        inputs, outputs = contract_completion(config)
+        if inputs or outputs:
+            notes.append("auto-completed " + ", ".join(f"{t.name} {t.data_type} {list(t.dims)}"
+                                                       for t in (*inputs, *outputs)))
+        return Completion(inputs=inputs, outputs=outputs, max_batch_size=None, notes=notes, decoupled=True)
     graph: GraphIO | None = None
     onnx = settings.runtime.onnx_file
     if version_dir is not None and version_file(version_dir, onnx).is_file():

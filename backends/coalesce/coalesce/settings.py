@@ -18,7 +18,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Final
 
 #: The tasks a model may declare (parameter ``task``).
-TASKS: Final = ("embedding", "classify", "tensor")
+TASKS: Final = ("embedding", "classify", "tensor", "generate")
+#: The tasks whose requests are rows coalesced into forward passes (every task but ``generate``).
+ROW_TASKS: Final = ("embedding", "classify", "tensor")
+GENERATION_BATCHING_CHOICES: Final = ("continuous", "request")
 RUNTIME_CHOICES: Final = ("auto", "tensorrt", "onnxruntime", "torch", "bls")
 PRECISION_CHOICES: Final = ("fp32", "fp16")
 POOLING_CHOICES: Final = ("mean", "cls")
@@ -56,11 +59,13 @@ class TaskOptions:
 
     task: str = _spec(
         "embedding", "What the model does: `embedding` (texts to vectors), `classify` (texts or text pairs to "
-        "scores: classifiers and cross-encoder rerankers) or `tensor` (any graph: named tensors in and out, rows on "
-        "dim 0).", choices=TASKS)
+        "scores: classifiers and cross-encoder rerankers), `tensor` (any graph: named tensors in and out, rows on "
+        "dim 0) or `generate` (a causal LM: text in, generated text out, streamed; a decoupled model).",
+        choices=TASKS)
     max_sequence_length: int = _spec(
         256, "Longest row in positions: text tasks truncate to this many tokens (special tokens included); the "
-        "tensor task refuses rows whose variable dim is longer.", low=1, high=1 << 20)
+        "tensor task refuses rows whose variable dim is longer; `generate`: the context, prompt and generated "
+        "tokens together (capped by the model's own).", low=1, high=1 << 20)
     max_request_bytes: int = _spec(
         4_194_304, "Largest accepted request in bytes (every input tensor's bytes; for TYPE_STRING inputs, the "
         "sum of their items' lengths), checked before any other work; a larger one gets INVALID_ARG naming the "
@@ -121,6 +126,43 @@ class TensorOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """Continuous batching, the KV cache and sampling limits (task ``generate``)."""
+
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("generate",)
+
+    generation_batching: str = _spec(
+        "continuous", "`continuous`: every step runs one forward pass over all active sequences, new requests "
+        "join at the next step and each leaves the step it finishes; `request`: Triton's batch of requests runs "
+        "until its longest generation ends before the next batch starts (static batching, for comparison).",
+        choices=GENERATION_BATCHING_CHOICES)
+    kv_cache_bytes: int = _spec(
+        268_435_456, "Bytes of the preallocated KV-cache pool (keys and values of every layer). A request takes "
+        "the blocks its prompt and max_tokens need when it joins; while the pool is full new requests wait.",
+        low=1, high=1 << 44)
+    kv_block_tokens: int = _spec(16, "Tokens per KV-cache block: the unit of allocation and of prefix reuse.",
+                                 low=1, high=4096)
+    prefix_cache: bool = _spec(
+        True, "Reuse the KV blocks of prompt prefixes already computed (a system prompt, few-shot examples); "
+        "blocks no request holds stay cached until the pool needs them (least recently used first).")
+    max_active_sequences: int = _spec(64, "Most sequences in one step's forward pass.", low=1, high=65536)
+    max_prefill_tokens: int = _spec(
+        512, "Most prompt tokens prefilled per step (longer prompts are prefilled in chunks over several "
+        "steps), so that running sequences keep getting a token every step.", low=1, high=1 << 20)
+    max_waiting_sequences: int = _spec(
+        256, "Most requests waiting to join (for room in the KV cache); past it requests get UNAVAILABLE.",
+        low=0, high=1 << 20)
+    max_queue_wait_ms: float = _spec(
+        5000.0, "Most milliseconds a request waits to join; then it gets UNAVAILABLE (the KV cache stayed full).",
+        low=0.0, high=3_600_000.0)
+    default_max_tokens: int = _spec(16, "Tokens generated when a request sets no max_tokens (vLLM's default).",
+                                    low=1, high=1 << 20)
+    max_tokens_limit: int = _spec(1024, "Largest max_tokens a request may ask; a larger one gets INVALID_ARG.",
+                                  low=1, high=1 << 20)
+    max_stop_strings: int = _spec(16, "Most stop strings a request may give.", low=0, high=1024)
+
+
+@dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
     """Which engine runs the forward passes, and how (every task)."""
 
@@ -153,7 +195,7 @@ class RuntimeOptions:
 class PlannerOptions:
     """How the rows of one dispatch are cut into forward passes (every task)."""
 
-    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ROW_TASKS
 
     max_batch_rows: int = _spec(64, "Most rows in one forward pass.", low=1, high=65536)
     max_batch_tokens: int = _spec(
@@ -180,7 +222,7 @@ class PlannerOptions:
 class CacheOptions:
     """The row cache: in process and shared through Redis (every task)."""
 
-    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ROW_TASKS
 
     cache_bytes: int = _spec(
         0, "Bytes of the in-process row cache (outputs, keys and bookkeeping; LRU eviction); 0 disables it.",
@@ -209,7 +251,7 @@ class CacheOptions:
 class SchedulerOptions:
     """Who forms batches, and the adaptive scheduler's targets (every task)."""
 
-    APPLIES_TO: ClassVar[tuple[str, ...] | None] = None
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ROW_TASKS
 
     scheduling: str = _spec(
         "triton", "Who forms batches: `triton` runs each batch Triton's dynamic batcher hands over; `adaptive` "
@@ -261,7 +303,8 @@ class MetricsOptions:
 #: Components in the order ``coalesce settings`` lists them: (attribute of ``ModelSettings``, options class).
 COMPONENTS: Final[tuple[tuple[str, type], ...]] = (
     ("task", TaskOptions), ("text", TextOptions), ("embedding", EmbeddingOptions), ("classify", ClassifyOptions),
-    ("tensor", TensorOptions), ("runtime", RuntimeOptions), ("planner", PlannerOptions), ("cache", CacheOptions),
+    ("tensor", TensorOptions), ("generate", GenerateOptions),
+    ("runtime", RuntimeOptions), ("planner", PlannerOptions), ("cache", CacheOptions),
     ("scheduler", SchedulerOptions), ("metrics", MetricsOptions))
 
 
@@ -276,6 +319,7 @@ class ModelSettings:
     embedding: EmbeddingOptions = dataclasses.field(default_factory=EmbeddingOptions)
     classify: ClassifyOptions = dataclasses.field(default_factory=ClassifyOptions)
     tensor: TensorOptions = dataclasses.field(default_factory=TensorOptions)
+    generate: GenerateOptions = dataclasses.field(default_factory=GenerateOptions)
     runtime: RuntimeOptions = dataclasses.field(default_factory=RuntimeOptions)
     planner: PlannerOptions = dataclasses.field(default_factory=PlannerOptions)
     cache: CacheOptions = dataclasses.field(default_factory=CacheOptions)
@@ -371,7 +415,10 @@ class ModelSettings:
             except ValueError as exc:
                 raise SettingsError(f"{where}: parameter '{key}' has bad value "
                                     f"'{getattr(self.scheduler, key)}': {exc}") from None
-        if self.task.task != "tensor" and planner.max_batch_tokens < self.task.max_sequence_length:
+        if self.task.task == "generate" and self.runtime.runtime not in ("auto", "torch"):
+            raise SettingsError(f"{where}: parameter 'runtime' has bad value '{self.runtime.runtime}': task "
+                                "'generate' runs on the torch runtime (`auto` or `torch`)")
+        if self.task.task in ("embedding", "classify") and planner.max_batch_tokens < self.task.max_sequence_length:
             raise SettingsError(
                 f"{where}: parameter 'max_batch_tokens' (value '{planner.max_batch_tokens}') is below "
                 f"'max_sequence_length' ({self.task.max_sequence_length}): a single long text could never be "

@@ -430,3 +430,60 @@ class SchedulerMetrics:
     def tenant_latency(self, tenant: str) -> Histogram:
         """End-to-end latency in the backend of ``tenant``'s requests."""
         return self._per_tenant("latency", tenant)  # type: ignore[return-value]
+
+
+#: Seconds to a request's first token, and between two of its tokens: 1 ms to 60 s.
+TOKEN_SECONDS_BUCKETS: Final = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                                60.0)
+#: Why a generation request was refused (label ``reason``): too many waiting, or no room in the KV cache in time.
+GENERATION_REFUSALS: Final = ("queue_full", "kv_full")
+#: How a sequence ended (label ``reason``), vLLM's names.
+FINISH_REASONS: Final = ("stop", "length")
+#: States of KV-cache blocks (label ``state``): held by sequences, cached prefixes held by none, free.
+KV_BLOCK_STATES: Final = ("used", "cached", "free")
+
+
+class GenerationMetrics:
+    """Every metric of the generate task, labelled by model and version."""
+
+    def __init__(self, factory: MetricFactory, *, model: str, version: str) -> None:
+        """Create the handles once, at model load."""
+        labels = {"model": model, "version": version}
+        self.time_to_first_token_seconds = factory.histogram(
+            "coalesce_generate_time_to_first_token_seconds",
+            "Seconds from a request reaching the backend to its first generated token", labels, TOKEN_SECONDS_BUCKETS)
+        self.inter_token_seconds = factory.histogram(
+            "coalesce_generate_inter_token_seconds", "Seconds between two generated tokens of one request", labels,
+            TOKEN_SECONDS_BUCKETS)
+        self.queue_seconds = factory.histogram(
+            "coalesce_generate_queue_seconds", "Seconds a request waited to join the running batch", labels,
+            WAIT_SECONDS_BUCKETS)
+        self.generated_tokens = factory.counter("coalesce_generate_tokens_total", "Tokens generated", labels)
+        self.prompt_tokens = factory.counter(
+            "coalesce_generate_prompt_tokens_total", "Prompt tokens of the requests that joined", labels)
+        self.prefix_hit_tokens = factory.counter(
+            "coalesce_generate_prefix_cache_hit_tokens_total",
+            "Prompt tokens whose keys and values came from the prefix cache instead of being computed", labels)
+        self.active_sequences = factory.gauge(
+            "coalesce_generate_active_sequences", "Sequences in the running batch", labels)
+        self.waiting_sequences = factory.gauge(
+            "coalesce_generate_waiting_sequences", "Requests waiting to join the running batch", labels)
+        self.kv_blocks_total = factory.gauge(
+            "coalesce_generate_kv_cache_blocks_total", "Blocks of the KV-cache pool (kv_cache_bytes)", labels)
+        self.kv_blocks = {state: factory.gauge(
+            "coalesce_generate_kv_cache_blocks", "KV-cache blocks by state: used by sequences, cached prefixes "
+            "held by none, free", {**labels, "state": state}) for state in KV_BLOCK_STATES}
+        self.refusals = {reason: factory.counter(
+            "coalesce_generate_refusals_total", "Requests refused with UNAVAILABLE: too many waiting, or no room "
+            "in the KV cache within max_queue_wait_ms", {**labels, "reason": reason}) for reason in GENERATION_REFUSALS}
+        self.finished = {reason: factory.counter(
+            "coalesce_generate_finished_total", "Requests that ended normally, by reason: stop (end of sequence or "
+            "a stop string) or length (max_tokens or the context)", {**labels, "reason": reason})
+            for reason in FINISH_REASONS}
+        self.cancelled = factory.counter(
+            "coalesce_generate_cancelled_total", "Requests cancelled by their client", labels)
+        self.failures = factory.counter(
+            "coalesce_generate_failures_total", "Requests answered with an error after they queued", labels)
+        self.step_failures = factory.counter(
+            "coalesce_generate_step_failures_total", "Steps whose forward pass failed (their sequences got INTERNAL)",
+            labels)

@@ -1,0 +1,104 @@
+"""Loading a ``generate`` model: settings checked, the causal LM and tokenizer loaded, the engine started."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from coalesce.core.errors import ConfigError
+from coalesce.core.task import version_file
+from coalesce.core.tensors import TensorSpec
+from coalesce.observability.log import Logger
+from coalesce.observability.metrics import GenerationMetrics, InMemoryMetricFactory, MetricFactory
+from coalesce.settings import ModelSettings
+
+#: The decoupled contract of Triton's vLLM backend: (name, type, optional), each of dims ``[1]``.
+INPUTS: tuple[tuple[str, str, bool], ...] = (
+    ("text_input", "TYPE_STRING", False), ("stream", "TYPE_BOOL", True),
+    ("sampling_parameters", "TYPE_STRING", True), ("exclude_input_in_output", "TYPE_BOOL", True))
+OUTPUTS: tuple[tuple[str, str], ...] = (("text_output", "TYPE_STRING"),)
+#: The input names a request may carry.
+GENERATION_INPUTS: tuple[str, ...] = tuple(name for name, _, _ in INPUTS)
+
+
+def contract_completion(config: Mapping[str, Any]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The contract's inputs and outputs, each only where the config declares no tensor of that kind."""
+    inputs = [] if config.get("input") else [TensorSpec(n, t, (1,), optional=o) for n, t, o in INPUTS]
+    outputs = [] if config.get("output") else [TensorSpec(n, t, (-1,)) for n, t in OUTPUTS]
+    return inputs, outputs
+
+
+def check_contract(settings: ModelSettings, config: Mapping[str, Any]) -> None:
+    """The config must be decoupled and declare the vLLM backend's tensors.
+
+    Raises:
+        ConfigError: Naming the model and what to change.
+    """
+    name = settings.model_name
+    policy = config.get("model_transaction_policy") or {}
+    if not policy.get("decoupled"):
+        raise ConfigError(f"model '{name}': task 'generate' streams its responses; set "
+                          "model_transaction_policy { decoupled: true }")
+    declared = {t.get("name"): t for t in config.get("input", [])}
+    for tensor, data_type, optional in INPUTS:
+        entry = declared.get(tensor)
+        if entry is None:
+            if not optional:
+                raise ConfigError(f"model '{name}': task 'generate' needs input '{tensor}' ({data_type}, dims [1])")
+            continue
+        if entry.get("data_type") != data_type:
+            raise ConfigError(f"model '{name}': input '{tensor}' is {entry.get('data_type')}; task 'generate' "
+                              f"needs {data_type}")
+    outputs = {t.get("name"): t for t in config.get("output", [])}
+    for tensor, data_type in OUTPUTS:
+        if tensor not in outputs or outputs[tensor].get("data_type") != data_type:
+            raise ConfigError(f"model '{name}': task 'generate' needs output '{tensor}' ({data_type}, dims [-1])")
+    extra = sorted(set(declared) - {t for t, _, _ in INPUTS})
+    if extra:
+        raise ConfigError(f"model '{name}': task 'generate' reads no input {extra}; its inputs are "
+                          f"{', '.join(t for t, _, _ in INPUTS)}")
+
+
+def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: ModelSettings, version: str = "1",
+                metric_factory: MetricFactory | None = None, logger: Logger | None = None,
+                instance_kind: str = "CPU", device_id: int = 0, start: bool = True) -> Any:
+    """The model's generation engine, its step thread started (unless ``start`` is False).
+
+    Raises:
+        ConfigError: If the config, the weights or the tokenizer do not fit.
+    """
+    import torch
+    from tokenizers import Tokenizer
+
+    from coalesce.generation.engine import GenerationEngine
+    from coalesce.generation.model import CausalLM, model_dtype, torch_device
+
+    name = settings.model_name
+    logger = logger or Logger(name)
+    check_contract(settings, config)
+    model_dir = version_file(version_dir, settings.runtime.torch_model_dir)
+    tokenizer_path = model_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise ConfigError(f"model '{name}': {tokenizer_path} is missing (the model folder's tokenizer)")
+    threads = settings.runtime.intra_op_threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    device = torch_device(instance_kind, device_id)
+    dtype = model_dtype(settings.runtime.precision, device)
+    model = CausalLM(model_dir, device=device, dtype=dtype, name=name)
+    tokenizer: Any = Tokenizer.from_file(str(tokenizer_path))
+    options = settings.generate
+    context = min(settings.task.max_sequence_length, model.context_length)
+    metrics = GenerationMetrics(metric_factory or InMemoryMetricFactory(), model=name, version=version)
+    try:
+        engine = GenerationEngine(model, tokenizer, options, context_length=context, metrics=metrics, logger=logger,
+                                  start=start)
+    except ConfigError as exc:
+        raise ConfigError(f"model '{name}': {exc}") from None
+    logger.info(f"generate: {model.model.config.model_type} on {device} ({str(dtype).removeprefix('torch.')}, "
+                f"{threads} threads), {len(model.shapes)} layers; KV cache {engine.pool.num_blocks} blocks x "
+                f"{options.kv_block_tokens} tokens ({engine.bytes_per_token} bytes a token), context "
+                f"{engine.context_length} tokens; batching {options.generation_batching}, prefix cache "
+                f"{'on' if options.prefix_cache else 'off'}")
+    return engine
