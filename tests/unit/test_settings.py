@@ -72,7 +72,7 @@ def test_booleans(value, expected):
     ("normalize", "maybe", "parameter 'normalize' has bad value 'maybe': expected true or false"),
     ("runtime", "tensorflow",
      "parameter 'runtime' has bad value 'tensorflow': expected one of auto, tensorrt, onnxruntime, torch, bls"),
-    ("task", "generate", "parameter 'task' has bad value 'generate': expected one of embedding, classify, tensor"),
+    ("task", "chat", "parameter 'task' has bad value 'chat': expected one of embedding, classify, tensor, generate"),
     ("pooling", "max", "parameter 'pooling' has bad value 'max': expected one of mean, cls"),
     ("max_sequence_length", "0", "parameter 'max_sequence_length' has bad value '0': must be >= 1"),
     ("max_text_bytes", "2000000000", "parameter 'max_text_bytes' has bad value '2000000000': must be <= 1.07374e+09"),

@@ -26,13 +26,15 @@ def test_settings_lists_every_parameter_of_every_component_with_its_default(caps
         assert component == attr and meaning == field.metadata["doc"]
         # What is listed as the default parses back to the default.
         if default:
-            task = "tensor" if attr == "tensor" else "classify" if attr == "classify" else "embedding"
+            applies = dict(COMPONENTS)[attr].APPLIES_TO  # type: ignore[attr-defined]
+            task = applies[0] if applies else "embedding"
             parameters = {"task": task, field.name: default} if field.name != "task" else {field.name: default}
             parsed = ModelSettings.from_parameters(parameters, model_name="m")
             assert getattr(getattr(parsed, attr), field.name) == field.default, field.name
     assert listed["normalize"][1:4] == ["true", "embedding", "embedding"]
     assert listed["max_text_bytes"][3] == "embedding, classify"
-    assert listed["max_batch_rows"][1:4] == ["64", "planner", "all"]
+    assert listed["max_batch_rows"][1:4] == ["64", "planner", "embedding, classify, tensor"]
+    assert listed["kv_cache_bytes"][2:4] == ["generate", "generate"]
     assert listed["pad_value:<input>"][1:4] == ["0", "tensor", "tensor"]
     # pad_value:<input> sits with the tensor task's options, after mask_input.
     names = [row[0] for row in rows]
@@ -46,7 +48,7 @@ def test_settings_as_markdown_is_the_configuration_reference(capsys):
     assert lines[:2] == ["| parameter | default | component | tasks | meaning |", "| --- | --- | --- | --- | --- |"]
     assert len(lines) == 2 + len(settings_rows())
     assert "| `pad_value:<input>` | `0` | tensor | tensor |" in out
-    assert "| `redis_url` | (empty) | cache | all |" in out
+    assert "| `redis_url` | (empty) | cache | embedding, classify, tensor |" in out
     # backends/coalesce/README.md carries the same table: regenerate it when a parameter changes.
     assert out in (ROOT / "backends" / "coalesce" / "README.md").read_text()
 

@@ -73,7 +73,7 @@ def test_a_bad_recipe_is_a_clear_exit(tmp_path, recipe):
         prepare(tmp_path, log=lambda line: None)
     name = recipe.get("recipe") if isinstance(recipe, dict) else None
     assert str(info.value) == (f"coalesce prepare: {folder / 'recipe.json'} names recipe {name!r}; known: "
-                               "minilm, minilm-tokens, minilm-cross-encoder, digits")
+                               "minilm, minilm-tokens, minilm-cross-encoder, digits, tinylm")
 
 
 def test_an_unreadable_config_is_a_clear_exit(tmp_path):

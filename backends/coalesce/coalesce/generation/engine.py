@@ -113,6 +113,7 @@ class GenerationEngine:
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._closed = False
+        self._abandoned = False
         self.steps = 0
         self._thread: threading.Thread | None = None
         metrics.kv_blocks_total.set(num_blocks)
@@ -175,17 +176,20 @@ class GenerationEngine:
             sink(GenerationEvent(final=True, error=refusal))
 
     def close(self, *, drain_s: float = 30.0) -> None:
-        """Refuse new requests, let running ones finish for up to ``drain_s``, then end the rest (``UNAVAILABLE``)."""
+        """Refuse new requests, let queued and running ones finish for up to ``drain_s``, then end the rest."""
         with self._lock:
             self._closed = True
-            waiting = self._inbox + list(self._waiting)
-            self._inbox.clear()
-            self._waiting.clear()
             self._lock.notify_all()
-        for sequence in waiting:
-            self._fail(sequence, UnavailableError("the model is being unloaded"), running=False)
         if self._thread is not None:
             self._thread.join(timeout=drain_s)
+            self._abandoned = True  # past the drain: the thread stops after the step it is in
+            self._thread.join(timeout=10)
+        with self._lock:
+            left = self._inbox + list(self._waiting)
+            self._inbox.clear()
+            self._waiting.clear()
+        for sequence in left:
+            self._fail(sequence, UnavailableError("the model was unloaded before the request joined"), running=False)
         for sequence in list(self._running):
             self._fail(sequence, UnavailableError("the model was unloaded before the request finished"))
 
@@ -197,11 +201,11 @@ class GenerationEngine:
     # -- the step loop ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        while not self._abandoned:
             with self._lock:
                 while not self._closed and not (self._inbox or self._waiting or self._running):
                     self._lock.wait()
-                if self._closed and not self._running:
+                if self._closed and not (self._inbox or self._waiting or self._running):
                     return
             try:
                 self.step()

@@ -1,0 +1,57 @@
+"""Loading a generate model: the contract, settings that apply, auto-completion, models that cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from coalesce.core.errors import ConfigError
+from coalesce.generation.loader import check_contract
+from coalesce.loader import complete_config
+from coalesce.settings import ModelSettings, SettingsError
+from tests.unit.generation.conftest import generate_config, make_engine
+
+
+def test_the_config_must_be_decoupled_with_the_vllm_tensors():
+    config = generate_config()
+    settings = ModelSettings.from_model_config(config)
+    check_contract(settings, config)
+    with pytest.raises(ConfigError, match="decoupled: true"):
+        check_contract(settings, {**config, "model_transaction_policy": {}})
+    with pytest.raises(ConfigError, match="text_input"):
+        check_contract(settings, {**config, "input": []})
+    wrong = {**config, "input": [{"name": "text_input", "data_type": "TYPE_FP32", "dims": [1]}]}
+    with pytest.raises(ConfigError, match="TYPE_STRING"):
+        check_contract(settings, wrong)
+    extra = {**config, "input": [*config["input"], {"name": "prompt", "data_type": "TYPE_STRING", "dims": [1]}]}
+    with pytest.raises(ConfigError, match="prompt"):
+        check_contract(settings, extra)
+
+
+def test_auto_completion_adds_the_contract_and_decoupling():
+    completion = complete_config({"name": "lm", "parameters": {"task": {"string_value": "generate"}}}, None)
+    assert completion.decoupled and completion.max_batch_size is None
+    assert [t.name for t in completion.inputs] == ["text_input", "stream", "sampling_parameters",
+                                                   "exclude_input_in_output"]
+    assert [t.name for t in completion.outputs] == ["text_output"]
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("cache_bytes", "1000", "applies to task"), ("max_batch_rows", "8", "applies to task"),
+    ("runtime", "onnxruntime", "torch runtime"), ("kv_cache_bytes", "0", "must be >= 1"),
+    ("generation_batching", "static", "continuous, request"),
+])
+def test_settings_of_other_tasks_and_bad_values_fail_the_load(key, value, match):
+    with pytest.raises(SettingsError, match=match):
+        ModelSettings.from_model_config(generate_config(**{key: value}))
+
+
+def test_missing_files_and_a_pool_without_a_block_fail_the_load(llama_dir, tmp_path):
+    with pytest.raises(ConfigError, match="tokenizer.json is missing"):
+        make_engine(tmp_path)
+    with pytest.raises(ConfigError, match="holds no block"):
+        make_engine(llama_dir, kv_cache_bytes="100")
+
+
+def test_the_context_is_capped_by_the_model_and_the_pool(llama_dir):
+    engine, _ = make_engine(llama_dir, max_sequence_length="100000")
+    assert engine.context_length == 512, "the model's max_position_embeddings"
