@@ -16,7 +16,8 @@ from tests.unit.generation.conftest import make_engine
 
 torch = pytest.importorskip("torch")
 
-WORDS = "def class return import self value name data for while if else with try except".split()
+WORDS = ["def", "class", "return", "import", "self", "value", "name", "data", "for", "while", "if", "else", "with",
+         "try", "except"]
 
 
 class Collect:

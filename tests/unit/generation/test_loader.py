@@ -46,7 +46,7 @@ def test_settings_of_other_tasks_and_bad_values_fail_the_load(key, value, match)
 
 
 def test_missing_files_and_a_pool_without_a_block_fail_the_load(llama_dir, tmp_path):
-    with pytest.raises(ConfigError, match="tokenizer.json is missing"):
+    with pytest.raises(ConfigError, match=r"tokenizer\.json is missing"):
         make_engine(tmp_path)
     with pytest.raises(ConfigError, match="holds no block"):
         make_engine(llama_dir, kv_cache_bytes="100")

@@ -62,15 +62,15 @@ def test_bad_sampling_parameters_name_the_field(parameters, field):
 
 
 def test_bad_prompts_and_json_are_refused():
-    with pytest.raises(InvalidInputError, match="text_input.*empty"):
+    with pytest.raises(InvalidInputError, match=r"text_input.*empty"):
         read_request(tensors(""), None, OPTIONS)
     with pytest.raises(InvalidInputError, match="UTF-8"):
         read_request(tensors(b"\xff\xfe"), None, OPTIONS)
-    with pytest.raises(InvalidInputError, match="text_input.*missing"):
+    with pytest.raises(InvalidInputError, match=r"text_input.*missing"):
         read_request({}, None, OPTIONS)
     bad = tensors()
     bad["sampling_parameters"] = np.array([b"{not json"], dtype=object)
-    with pytest.raises(InvalidInputError, match="sampling_parameters.*not valid JSON"):
+    with pytest.raises(InvalidInputError, match=r"sampling_parameters.*not valid JSON"):
         read_request(bad, None, OPTIONS)
     bad["sampling_parameters"] = np.array([b"[1, 2]"], dtype=object)
     with pytest.raises(InvalidInputError, match="JSON object"):
