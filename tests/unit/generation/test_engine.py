@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -169,7 +170,7 @@ def test_end_of_sequence_ends_a_request_unless_ignored(llama_dir):
 
 def test_a_full_kv_cache_makes_requests_wait_then_refuses_them(llama_dir):
     per_block = 2 * 2 * (2 * 16) * 4 * 16  # 2 layers x 2 KV heads x (key + value dims) x fp32 x 16 tokens
-    engine, metrics = make_engine(llama_dir, kv_cache_bytes=str(per_block * 4), max_queue_wait_ms="50")
+    engine, metrics = make_engine(llama_dir, kv_cache_bytes=str(per_block * 4), max_queue_wait_ms="600000")
     assert engine.pool.num_blocks == 4 and engine.context_length == 64
     first = submit(engine, "def a", max_tokens=40)   # 3 blocks
     second = submit(engine, "def b", max_tokens=40)  # waits
@@ -177,6 +178,7 @@ def test_a_full_kv_cache_makes_requests_wait_then_refuses_them(llama_dir):
     assert engine.pool.usage().used == 3 and not second.events
     run(engine)
     assert first.final.error is None and second.final.error is None, "the second joined once the first ended"
+    engine.options = dataclasses.replace(engine.options, max_queue_wait_ms=50.0)
     blocker = submit(engine, "def a", max_tokens=40)
     refused = submit(engine, "def c", max_tokens=40)
     engine.step()
