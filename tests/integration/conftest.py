@@ -24,12 +24,16 @@ import pytest
 
 from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer, free_port
 from perf.repository import with_parameters
-from tests.conftest import EXAMPLE_MODELS, MODEL_DIR, REPOSITORY, built
+from tests.conftest import EXAMPLE_MODELS, GENERATE_MODELS, MODEL_DIR, REPOSITORY, built
 
 #: Test-only variant: waits up to 2 s for exactly 6 requests, so a test can put 6 requests in one execute().
 WIDE_MODEL = "minilm_wide"
 WIDE_BATCH = 6
 
+
+#: Test-only variant of tinylm with a KV cache of 16 blocks of 16 tokens (256 tokens) and 300 ms of waiting for it.
+TIGHT_MODEL = "tinylm_tight"
+TIGHT_PARAMETERS = {"kv_cache_bytes": str(4096 * 16 * 16), "max_queue_wait_ms": "300", "max_sequence_length": "256"}
 
 #: A fixed cost model for test-only variants: they load without calibrating (seconds each on 2 cores).
 FIXED_COST = "0.003,0.0001,0"
@@ -69,6 +73,10 @@ def repository(tmp_path_factory) -> Path:
         built(name)
         add_model(repo, name, source=REPOSITORY / name)
     add_model(repo, WIDE_MODEL, wide=WIDE_BATCH, parameters={"cost_model": FIXED_COST})
+    for name in GENERATE_MODELS:
+        built(name)
+        add_model(repo, name, source=REPOSITORY / name)
+    add_model(repo, TIGHT_MODEL, source=REPOSITORY / "tinylm", parameters=TIGHT_PARAMETERS)
     return repo
 
 
@@ -76,7 +84,7 @@ def repository(tmp_path_factory) -> Path:
 def server(repository, request):
     options = ServerOptions(model_repository=repository, host="127.0.0.1", http_port=free_port(),
                             grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                            load_models=(*EXAMPLE_MODELS, WIDE_MODEL))
+                            load_models=(*EXAMPLE_MODELS, WIDE_MODEL, *GENERATE_MODELS, TIGHT_MODEL))
     triton = TritonServer(options)
     try:
         triton.start()

@@ -227,6 +227,8 @@ class GenerationEngine:
         self._admit(now)
         self.metrics.waiting_sequences.set(len(self._waiting))
         if not self._running:
+            self.metrics.active_sequences.set(0)
+            self._report_pool()
             return False
         step, members = self._plan()
         logits = self.model.forward(step, self.cache)
