@@ -359,6 +359,12 @@ def missing_files(config: dict[str, Any], version_dir: Path) -> list[str]:
     """What the model needs in ``version_dir`` and lacks (its ONNX graph, a text task's tokenizer)."""
     settings = ModelSettings.from_model_config(config)
     wanted = []
+    if settings.task.task == "generate":
+        folder = settings.runtime.torch_model_dir
+        wanted = [f"{folder}/config.json", f"{folder}/tokenizer.json"]
+        found = [name for name in wanted if (version_dir / name).is_file()]
+        weights = list((version_dir / folder).glob("*.safetensors")) if (version_dir / folder).is_dir() else []
+        return [name for name in wanted if name not in found] + ([] if weights else [f"{folder}/*.safetensors"])
     if settings.runtime.runtime in ("auto", "onnxruntime"):
         wanted.append(settings.runtime.onnx_file)
     if settings.task.task in ("embedding", "classify"):

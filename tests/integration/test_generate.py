@@ -235,3 +235,20 @@ def test_metrics_count_tokens_latencies_pool_and_prefix_hits(server):
     assert metric(server, "coalesce_generate_inter_token_seconds_count", MODEL) > 0
     assert metric(server, "coalesce_generate_kv_cache_blocks_total", MODEL) == 64 * 1024 * 1024 // (4096 * 16)
     assert metric(server, "coalesce_generate_kv_cache_blocks", MODEL, state="cached") > 0
+
+
+def test_the_readme_generate_examples_answer_as_shown(server):
+    from tests.integration.test_readme import README
+
+    examples = re.findall(r"/v2/models/(\w+)/(generate(?:_stream)?) \\\n\s+-d '([^']*)'", README)
+    assert {endpoint for _, endpoint, _ in examples} == {"generate", "generate_stream"}
+    for model, endpoint, body in examples:
+        status, answer = post(server, f"{model}/{endpoint}", json.loads(body))
+        assert status == 200, answer
+        outputs = [e["text_output"] for e in events(answer)] if endpoint == "generate_stream" else [
+            json.loads(answer)["text_output"]]
+        assert outputs and all(isinstance(o, str) for o in outputs)
+        if endpoint == "generate":
+            assert outputs[0].startswith(json.loads(body)["text_input"]), "the prompt comes first unless excluded"
+        else:
+            assert len(outputs) > 1, "one event per step"

@@ -64,6 +64,12 @@ def test_the_files_a_model_needs_follow_its_settings(tmp_path):
     assert missing_files(config, tmp_path) == ["tok.json"]  # the torch runtime needs no ONNX graph
     assert missing_files({"parameters": {"onnx_file": {"string_value": "g.onnx"},
                                          "task": {"string_value": "tensor"}}}, tmp_path) == ["g.onnx"]
+    generate = {"parameters": {"task": {"string_value": "generate"}}}
+    assert missing_files(generate, tmp_path) == ["hf/config.json", "hf/tokenizer.json", "hf/*.safetensors"]
+    (tmp_path / "hf").mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / "hf" / name).write_text("{}")
+    assert missing_files(generate, tmp_path) == []
 
 
 @pytest.mark.parametrize("recipe", [{"recipe": "nope"}, ["minilm"], {"args": {}}])

@@ -15,6 +15,7 @@ runs until its last sequence ends: static batching, for comparison.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import os
@@ -83,6 +84,11 @@ class _Sequence:
         return len(self.prompt) + len(self.generated)
 
 
+def _cancelled(sequences: list[_Sequence]) -> list[_Sequence]:
+    """Those of ``sequences`` whose client cancelled them."""
+    return [s for s in sequences if s.is_cancelled is not None and s.is_cancelled()]
+
+
 class GenerationEngine:
     """Schedules and runs generation steps on one model, from its own thread (or ``step()`` by hand in tests)."""
 
@@ -116,6 +122,7 @@ class GenerationEngine:
         self._abandoned = False
         self.steps = 0
         self._thread: threading.Thread | None = None
+        self._checker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coalesce-cancel")
         metrics.kv_blocks_total.set(num_blocks)
         self._report_pool()
         if start:
@@ -192,6 +199,7 @@ class GenerationEngine:
             self._fail(sequence, UnavailableError("the model was unloaded before the request joined"), running=False)
         for sequence in list(self._running):
             self._fail(sequence, UnavailableError("the model was unloaded before the request finished"))
+        self._checker.shutdown(wait=False)
 
     @property
     def busy(self) -> bool:
@@ -218,29 +226,37 @@ class GenerationEngine:
                 time.sleep(0.001)  # waiting for the KV cache with nothing running: only expiry can change it
 
     def step(self) -> bool:
-        """Admit, run one forward pass, sample and answer; False if there was nothing to run."""
+        """Admit, run one forward pass, sample and answer; False if there was nothing to run.
+
+        Whether each request was cancelled is asked while the forward pass runs (in
+        Triton each ask is a round trip to the server), and cancelled ones leave at the
+        end of the step.
+        """
         now = time.perf_counter()
         with self._lock:
             self._waiting.extend(self._inbox)
             self._inbox.clear()
-        self._drop_cancelled()
+        watched = [s for s in (*self._running, *self._waiting) if s.is_cancelled is not None]
+        check = self._checker.submit(_cancelled, watched) if watched else None
         self._admit(now)
+        ran = bool(self._running)
+        if ran:
+            step, members = self._plan()
+            logits = self.model.forward(step, self.cache)
+            self.steps += 1
+            self._advance(members, logits)
+        if check is not None:
+            self._drop(check.result())
         self.metrics.waiting_sequences.set(len(self._waiting))
-        if not self._running:
-            self.metrics.active_sequences.set(0)
-            self._report_pool()
-            return False
-        step, members = self._plan()
-        logits = self.model.forward(step, self.cache)
-        self.steps += 1
-        self._advance(members, logits)
         self.metrics.active_sequences.set(len(self._running))
         self._report_pool()
-        return True
+        return ran
 
-    def _drop_cancelled(self) -> None:
-        for sequence in [s for s in (*self._running, *self._waiting) if s.is_cancelled and s.is_cancelled()]:
+    def _drop(self, cancelled: list[_Sequence]) -> None:
+        for sequence in cancelled:
             running = sequence in self._running
+            if not running and sequence not in self._waiting:
+                continue  # it ended this step
             if not running:
                 self._waiting.remove(sequence)
             self.metrics.cancelled.increment(1)
