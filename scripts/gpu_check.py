@@ -139,6 +139,9 @@ def main() -> int:
         parts["tensorrt"] = {"ran": True, "build_s": built_s, "metadata": metadata, "seconds": seconds,
                              "cosine_min": cos, "ok": cos >= 0.999}
 
+    for precision in ("fp32", "fp16"):
+        parts[f"generate-torch-cuda-{precision}"] = generate_part(precision) if gpu else {
+            "ran": False, "why": "torch.cuda.is_available() is False"}
     parts["triton-kind-gpu"] = triton_part(reference) if gpu else {"ran": False, "why": "no GPU"}
     OUT.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -149,6 +152,50 @@ def main() -> int:
     failed = [n for n, p in parts.items() if p.get("ran") and p.get("ok") is False]
     sys.stdout.write(f"gpu-check: wrote {OUT / f'gpu-check-{stamp}.json'}; failed: {failed or 'none'}\n")
     return 1 if failed else 0
+
+
+def generate_part(precision: str, device: str = "cuda:0") -> dict[str, Any]:
+    """The tinylm engine on CUDA: 16 greedy requests batched against transformers' generate alone, and tokens/s."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from coalesce.generation.loader import load_engine
+        from coalesce.generation.request import read_request
+        from coalesce.settings import ModelSettings
+        from coalesce_tools.config import read_model_config, with_parameters
+
+        model_dir = ROOT / "model_repository" / "tinylm"
+        config = with_parameters(read_model_config(model_dir / "config.pbtxt"), precision=precision)
+        settings = ModelSettings.from_model_config(config)
+        engine = load_engine(config, model_dir / "1", settings=settings, instance_kind="GPU", start=False)
+        texts: dict[int, str] = {}
+        prompts = [" ".join(TEXTS[i % len(TEXTS)].split()[: 3 + i * 5]) for i in range(16)]
+        for i, prompt in enumerate(prompts):
+            request = read_request({"text_input": np.array([prompt.encode()], dtype=object)},
+                                   {"max_tokens": 64, "temperature": 0, "ignore_eos": True}, engine.options)
+            engine.submit(request, lambda event, i=i: texts.__setitem__(i, texts.get(i, "") + event.text))
+        start = time.perf_counter()
+        steps = 0
+        while engine.step():
+            steps += 1
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        dtype = torch.float16 if precision == "fp16" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir / "1" / "hf"), dtype=dtype).to(device).eval()
+        equal = 0
+        for i, prompt in enumerate(prompts):
+            ids = engine.tokenizer.encode(prompt).ids
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids], device=device), max_new_tokens=64, do_sample=False,
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device))
+            equal += texts.get(i) == prompt + engine.tokenizer.decode(out[0, len(ids):].tolist())
+        # fp32 must match token for token; fp16 rounding may flip a near-tie, so it reports how many match.
+        return {"ran": True, "seconds": seconds, "steps": steps, "tokens_per_s": 16 * 64 / seconds,
+                "equal_to_generate": f"{equal}/16", "ok": equal == 16 if precision == "fp32" else equal >= 12}
+    except Exception as exc:
+        return {"ran": True, "ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
 
 
 def triton_part(reference: np.ndarray) -> dict[str, Any]:
