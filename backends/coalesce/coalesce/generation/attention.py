@@ -79,17 +79,25 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if count:
         assert step.decode_slots is not None
         q = query[0, :, :count].transpose(0, 1).unsqueeze(2)  # [sequences, heads, 1, dim]
-        k = key_cache[step.decode_slots].permute(0, 2, 1, 3).to(query.dtype)  # [sequences, kv heads, context, dim]
-        v = value_cache[step.decode_slots].permute(0, 2, 1, 3).to(query.dtype)
+        k = _gather(key_cache, step.decode_slots).permute(0, 2, 1, 3).to(query.dtype)  # [sequences, kv heads, ctx, dim]
+        v = _gather(value_cache, step.decode_slots).permute(0, 2, 1, 3).to(query.dtype)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
         out[0, :, :count] = o.squeeze(2).transpose(0, 1)
     for part in step.prefills:
         q = query[:, :, part.start:part.end]
-        k = key_cache[part.slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
-        v = value_cache[part.slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
+        k = key_cache.index_select(0, part.slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+        v = value_cache.index_select(0, part.slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
         out[:, :, part.start:part.end] = F.scaled_dot_product_attention(
             q, k, v, attn_mask=part.mask, is_causal=part.mask is None, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2), None
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache`` rows at ``slots`` (``[sequences, context]``): ``[sequences, context, heads, dim]``.
+
+    ``index_select`` on the flattened slots, not advanced indexing: several times faster on the CPU.
+    """
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
 def no_mask(*args: Any, **kwargs: Any) -> None:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from coalesce.core.errors import (
@@ -71,6 +72,8 @@ class _Sequence:
     digests: list[bytes]
     generated: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
+    #: The cache slot of each position the sequence may fill (its blocks are all taken when it joins).
+    slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     computed: int = 0
     registered: int = 0
     first_token_s: float = 0.0
@@ -274,6 +277,9 @@ class GenerationEngine:
                 break
             self._waiting.popleft()
             sequence.blocks = allocation.blocks
+            block = self.pool.block_tokens
+            sequence.slots = (np.asarray(allocation.blocks, dtype=np.int64)[:, None] * block
+                              + np.arange(block, dtype=np.int64)).reshape(-1)
             sequence.computed = allocation.cached_tokens
             sequence.registered = allocation.cached_tokens // self.pool.block_tokens
             self.metrics.prompt_tokens.increment(len(sequence.prompt))
@@ -291,10 +297,6 @@ class GenerationEngine:
                 f"sequences, this one needs {self.pool.blocks_for(sequence.total_tokens)}; retry later"),
                 running=False)
 
-    def _slot(self, sequence: _Sequence, position: int) -> int:
-        block = self.pool.block_tokens
-        return sequence.blocks[position // block] * block + position % block
-
     def _plan(self) -> tuple[StepInput, list[tuple[_Sequence, int, bool]]]:
         """Pack the step: decoding sequences first (one token each), then prompt chunks within the prefill budget."""
         step = StepInput(ids=[], positions=[], slots=[], decode_slots=[], prefills=[], logits_rows=[])
@@ -308,8 +310,8 @@ class GenerationEngine:
             step.logits_rows.append(len(step.ids))
             step.ids.append(sequence.token(position))
             step.positions.append(position)
-            step.slots.append(self._slot(sequence, position))
-            step.decode_slots.append([self._slot(sequence, p) for p in range(position + 1)])
+            step.slots.append(int(sequence.slots[position]))
+            step.decode_slots.append(sequence.slots[:position + 1])
             members.append((sequence, 1, True))
         budget = self.options.max_prefill_tokens
         for sequence in prefilling:
@@ -319,12 +321,10 @@ class GenerationEngine:
             count = min(len(sequence.prompt) - start, budget)
             budget -= count
             packed = len(step.ids)
-            for position in range(start, start + count):
-                step.ids.append(sequence.prompt[position])
-                step.positions.append(position)
-                step.slots.append(self._slot(sequence, position))
-            step.prefills.append((packed, packed + count, [self._slot(sequence, p) for p in range(start + count)],
-                                  start))
+            step.ids.extend(sequence.prompt[start:start + count])
+            step.positions.extend(range(start, start + count))
+            step.slots.extend(sequence.slots[start:start + count].tolist())
+            step.prefills.append((packed, packed + count, sequence.slots[:start + count], start))
             done = start + count == len(sequence.prompt)
             if done:
                 step.logits_rows.append(packed + count - 1)

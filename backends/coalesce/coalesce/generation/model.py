@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from coalesce.core.errors import ConfigError
@@ -58,8 +59,8 @@ class StepInput:
     ids: list[int]
     positions: list[int]
     slots: list[int]
-    decode_slots: list[list[int]]
-    prefills: list[tuple[int, int, list[int], int]]  # (start, end, context slots, tokens before the chunk)
+    decode_slots: list[np.ndarray]
+    prefills: list[tuple[int, int, np.ndarray, int]]  # (start, end, context slots, tokens before the chunk)
     logits_rows: list[int]
 
 
@@ -123,15 +124,18 @@ class CausalLM:
         """Run one packed step; the logits of ``step.logits_rows`` (packed positions), as float32 on the CPU."""
         device = self.device
 
-        def longs(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
+        def longs(values: list[int] | list[list[int]] | np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.long).to(device)
 
         decode_count = len(step.decode_slots)
         decode_slots: torch.Tensor | None = None
         decode_mask: torch.Tensor | None = None
         if decode_count:
             width = max(len(s) for s in step.decode_slots)
-            decode_slots = longs([s + [0] * (width - len(s)) for s in step.decode_slots])
+            padded = np.zeros((decode_count, width), dtype=np.int64)
+            for row, slots in enumerate(step.decode_slots):
+                padded[row, :len(slots)] = slots
+            decode_slots = longs(padded)
             lengths = longs([len(s) for s in step.decode_slots])
             decode_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
         prefills = []
