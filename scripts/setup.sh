@@ -51,7 +51,7 @@ if [ "$(cat $STAMP 2>/dev/null)" != "$want" ]; then
   log=$VENV/pip-install.log
   if ! { $VENV/bin/python -m pip install --disable-pip-version-check -U "pip>=24" &&
          $VENV/bin/python -m pip install --disable-pip-version-check -c requirements/constraints.txt \
-           -e ".[dev,serve]"; } >"$log" 2>&1; then
+           -e ".[dev,serve,generate]"; } >"$log" 2>&1; then
     tail -40 "$log" >&2; say "pip install failed; full log in $log"; exit 1
   fi
   $VENV/bin/python -c 'import coalesce, coalesce_tools, coalesce_client, onnxruntime, tokenizers, tritonclient.grpc, pytriton' \

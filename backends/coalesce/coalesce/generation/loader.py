@@ -69,7 +69,13 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
     Raises:
         ConfigError: If the config, the weights or the tokenizer do not fit.
     """
-    import torch
+    try:
+        import torch
+        import transformers  # noqa: F401 - the model is loaded through it
+    except ImportError as exc:
+        raise ConfigError(f"model '{settings.model_name}': task 'generate' runs on torch and transformers, which "
+                          f"this Python lacks ({exc.name}): pip install 'coalesce[generate]' (or the gpu extra)"
+                          ) from None
     from tokenizers import Tokenizer
 
     from coalesce.generation.engine import GenerationEngine
