@@ -252,3 +252,26 @@ def test_the_readme_generate_examples_answer_as_shown(server):
             assert outputs[0].startswith(json.loads(body)["text_input"]), "the prompt comes first unless excluded"
         else:
             assert len(outputs) > 1, "one event per step"
+
+
+def test_unloading_during_a_stream_ends_it_cleanly_and_the_model_loads_again(server, http_client, reference):
+    """A stream in flight when its model is unloaded finishes (Triton waits for it) or ends in an error; never hangs."""
+    from tests.integration.conftest import add_model
+
+    name = "tinylm_unload"
+    add_model(server.options.model_repository, name, source=REPOSITORY / MODEL)
+    http_client.load_model(name)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream, server, name, "def unload():", parameters={
+                "max_tokens": 300, "temperature": 0, "ignore_eos": True})
+            time.sleep(0.5)
+            http_client.unload_model(name)
+            texts, errors = running.result(timeout=120)
+        assert errors or len(texts) >= 250, (len(texts), errors)
+        http_client.load_model(name)
+        status, body = post(server, f"{name}/generate", {"text_input": "def again():",
+                                                          "parameters": {"max_tokens": 8, "temperature": 0}})
+        assert status == 200 and json.loads(body)["text_output"] == "def again():" + reference("def again():", 8)
+    finally:
+        http_client.unload_model(name)
