@@ -14,7 +14,7 @@ TUNE_PROFILE ?= queries
 SOAK_S ?= 600
 SOAK_ARGS ?=
 
-.PHONY: setup serve test unit integration lint lock clean bench bench-shared bench-neighbours eval-adaptive load tune soak flood
+.PHONY: setup serve test unit integration lint lock clean bench bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood
 
 setup:                 ## venv, pinned packages, OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -33,6 +33,10 @@ bench:                 ## perf_analyzer: coalesce vs naive side by side, offline
 bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.shared_cache $(BENCH_ARGS)
+
+bench-generate:        ## tinylm: continuous batching vs static (Triton-batched) vs one at a time, 16 streams + Poisson; writes perf/results/generate-*
+	@bash scripts/setup.sh --bench
+	$(BIN)/python -m perf.generate $(BENCH_ARGS)
 
 bench-neighbours:      ## one model at 2x capacity beside light ones, by isolation variant; writes perf/results/neighbours-*
 	@bash scripts/setup.sh --bench
