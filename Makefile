@@ -75,7 +75,7 @@ lint:                  ## ruff (style, docstrings) and mypy
 
 lock:                  ## re-pin requirements/constraints.txt from a fresh venv
 	rm -rf /tmp/coalesce-lock && python3 -m venv /tmp/coalesce-lock
-	/tmp/coalesce-lock/bin/pip install -q -e ".[dev,serve]"
+	/tmp/coalesce-lock/bin/pip install -q -e ".[dev,serve,generate]"
 	{ echo "# Pinned versions of every package the project installs (pip constraints)."; \
 	  echo "# Regenerate: make lock.  torch is the local CPU build (2.13.0+cpu satisfies ==2.13.0)."; \
 	  /tmp/coalesce-lock/bin/pip freeze --exclude-editable | grep -v '^-e' | sed 's/^torch==\(.*\)+cpu/torch==\1/'; \
