@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import queue
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -135,6 +136,7 @@ class TritonPythonModel:
                 device_id=int(args.get("model_instance_device_id", 0) or 0))
             self._settings = settings
             self._batched = settings.max_batch_size > 0
+            self._outbox = _Outbox(logger)
             logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}: "
                         f"task 'generate'; parameters set {settings.changed()}")
             return
@@ -194,7 +196,7 @@ class TritonPythonModel:
         options = self._settings.generate
         finished = []
         for request in requests:
-            stream = _Stream(request, batched=self._batched)
+            stream = _Stream(request, self._outbox, batched=self._batched)
             try:
                 tensors = self._generation_tensors(request)
                 oversize = check_request_bytes(tensors, self._settings.task.max_request_bytes)
@@ -205,7 +207,7 @@ class TritonPythonModel:
             except CoalesceError as exc:
                 stream(GenerationEvent(final=True, error=as_result(exc)))
                 continue
-            engine.submit(parsed, stream, is_cancelled=request.is_cancelled, prompt=prompt)
+            engine.submit(parsed, stream, is_cancelled=stream.is_cancelled, prompt=prompt)
             finished.append(stream.done)
         if options.generation_batching == "request":
             for done in finished:
@@ -225,6 +227,7 @@ class TritonPythonModel:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+            self._outbox.close()
             self._metric_factory.close()
             self._metric_factory = None  # type: ignore[assignment]
             gc.collect()
@@ -332,32 +335,78 @@ def _response(result: RequestResult) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, value) for name, value in result.items()])
 
 
+class _Outbox:
+    """Sends generation responses from its own thread, in the order they were put.
+
+    ``ResponseSender.send`` is a round trip to the server (it releases the GIL while it
+    waits); sent from the engine's step thread, every streamed token of every sequence
+    would lengthen every step. From here they go out while the next step computes.
+    """
+
+    def __init__(self, logger: Logger) -> None:
+        self._queue: queue.SimpleQueue[tuple[_Stream, GenerationEvent] | None] = queue.SimpleQueue()
+        self._logger = logger
+        self._thread = threading.Thread(target=self._run, name="coalesce-responses", daemon=True)
+        self._thread.start()
+
+    def put(self, stream: _Stream, event: GenerationEvent) -> None:
+        self._queue.put((stream, event))
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            stream, event = item
+            try:
+                stream.send(event)
+            except Exception as exc:
+                self._logger.warning(f"sending a generation response failed: {exc!r}")
+
+
 class _Stream:
-    """Sends a generation request's responses through its response sender, from the engine's thread.
+    """A generation request's responses, through its response sender (by way of the model's outbox).
 
     Each event becomes one response (``text_output``); the final one carries Triton's
     final flag, and then the request is let go and ``done`` is set.
     """
 
-    def __init__(self, request: Any, *, batched: bool) -> None:
+    def __init__(self, request: Any, outbox: _Outbox, *, batched: bool) -> None:
         self._request: Any = request
         self._sender = request.get_response_sender()
+        self._outbox = outbox
         self._shape = (1, 1) if batched else (1,)
+        # Once the final response is out, Triton frees the request's response factory: asking
+        # whether it was cancelled after that reads freed memory and crashes the server.
+        self._lock = threading.Lock()
         self.done = threading.Event()
 
     def __call__(self, event: GenerationEvent) -> None:
+        self._outbox.put(self, event)
+
+    def is_cancelled(self) -> bool:
+        """Whether the client cancelled the request; False once its final response is sent."""
+        with self._lock:
+            return self._request is not None and bool(self._request.is_cancelled())
+
+    def send(self, event: GenerationEvent) -> None:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if event.final else 0
-        try:
-            if event.error is not None:
-                response = pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(event.error))
-            else:
-                text = np.array([event.text.encode("utf-8")], dtype=np.object_).reshape(self._shape)
-                response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(TEXT_OUTPUT, text)])
-            self._sender.send(response, flags=flags)
-        finally:
-            if event.final:
-                self._request = None
-                self.done.set()
+        with self._lock:
+            try:
+                if self._request is None:
+                    return  # already final
+                if event.error is not None:
+                    response = pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(event.error))
+                else:
+                    text = np.array([event.text.encode("utf-8")], dtype=np.object_).reshape(self._shape)
+                    response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(TEXT_OUTPUT, text)])
+                self._sender.send(response, flags=flags)
+            finally:
+                if event.final:
+                    self._request = None
+                    self.done.set()
 
 
 class _Responder:
