@@ -111,7 +111,7 @@ class GenerationEngine:
         num_blocks = options.kv_cache_bytes // (per_token * block)
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_bytes {options.kv_cache_bytes} holds no block of {block} tokens "
-                                    f"({per_token * block} bytes each for this model)")
+                              f"({per_token * block} bytes each for this model)")
         self.pool = BlockPool(num_blocks, block, prefix_cache=options.prefix_cache)
         self.cache = KVCache(model.shapes, num_blocks * block, dtype=model.dtype, device=model.device)
         self.context_length = min(context_length, num_blocks * block)
