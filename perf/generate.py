@@ -664,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="every system measured once per round, rotated order")
     parser.add_argument("--concurrency", type=int, default=16, help="closed loop: concurrent streams")
     parser.add_argument("--closed-requests", type=int, default=128, help="closed loop: requests per measurement")
-    parser.add_argument("--rate", type=float, default=2.0, help="open loop: Poisson arrivals per second")
+    parser.add_argument("--rate", type=float, default=5.0, help="open loop: Poisson arrivals per second")
     parser.add_argument("--open-requests", type=int, default=48, help="open loop: requests per measurement")
     parser.add_argument("--open-clients", type=int, default=8, help="open loop: gRPC streams the requests share")
     parser.add_argument("--modes", default="closed,open", help="closed, open or both")
