@@ -10,6 +10,7 @@ object) and ``exclude_input_in_output``. Sampling parameters come from the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -179,26 +180,19 @@ def _flag(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, Any], name
 
 
 def _integer(raw: Mapping[str, Any], key: str, where: str, *, default: int) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise InvalidInputError(f"{where}: '{key}' must be an integer, not {value!r}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise InvalidInputError(f"{where}: '{key}' must be an integer, not {value!r}") from None
-    if not math.isfinite(number) or number != int(number):
-        raise InvalidInputError(f"{where}: '{key}' must be an integer, not {value!r}")
+    number = _number(raw, key, where, default=default, what="an integer")
+    if number != int(number):
+        raise InvalidInputError(f"{where}: '{key}' must be an integer, not {raw.get(key)!r}")
     return int(number)
 
 
-def _number(raw: Mapping[str, Any], key: str, where: str, *, default: float) -> float:
+def _number(raw: Mapping[str, Any], key: str, where: str, *, default: float, what: str = "a number") -> float:
+    """``raw[key]`` as a finite number (JSON numbers, or strings as request parameters may carry them)."""
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise InvalidInputError(f"{where}: '{key}' must be a number, not {value!r}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise InvalidInputError(f"{where}: '{key}' must be a number, not {value!r}") from None
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        with contextlib.suppress(ValueError):
+            number = float(value)
     if not math.isfinite(number):
-        raise InvalidInputError(f"{where}: '{key}' must be a finite number, not {value!r}")
+        raise InvalidInputError(f"{where}: '{key}' must be {what}, not {value!r}")
     return number
