@@ -556,6 +556,11 @@ def markdown(run: Mapping[str, Any]) -> str:
                   f"{_rounds(row['per_round_over_static'])}); p99 TTFT continuous / static: "
                   f"{_fmt(row['ttft_p99_over_static'], 2)} (rounds: {_rounds(row['per_round_ttft_p99_over_static'])})",
                   ""]
+    if run.get("step_costs"):
+        lines += ["## One decoding step by sequences in it (the engine in process, no server)", "",
+                  "| sequences | ms per step | ms per sequence | tokens/s |", "| --- | --- | --- | --- |",
+                  *(f"| {r['sequences']} | {r['step_ms']:.2f} | {r['ms_per_sequence']:.2f} | {r['tokens_per_s']:.0f} |"
+                    for r in run["step_costs"]), ""]
     if run.get("discussion"):
         lines += ["## Reading it", "", *run["discussion"], ""]
     lines += ["## Every measurement", "",
@@ -643,6 +648,14 @@ def discussion(run: Mapping[str, Any]) -> list[str]:
             "finished sequences), so a draining static batch costs cheaper steps, not wasted ones; what static loses "
             "is the clients idle while the batch drains (fewer sequences per step) and the wait for the next batch "
             "(its TTFT).")
+    costs = {int(r["sequences"]): r["step_ms"] for r in run.get("step_costs", [])}
+    if 1 in costs and 8 in costs and 16 in costs:
+        out.append(
+            f"- In process, without the server, a step of 1, 8 and 16 decoding sequences takes {costs[1]:.1f}, "
+            f"{costs[8]:.1f} and {costs[16]:.1f} ms (table above): the engine's own step grows "
+            f"{(costs[16] - costs[8]) / 8:.2f} ms per sequence from 8 to 16. The served steps are longer and grow "
+            "faster because each sequence also costs a response and a cancellation check per step (each a round "
+            "trip between the model's process and the server) and the client's work, all on the same 2 cores.")
     batches = [p["avg_batch"] for p in run["points"] if p["system"] == "static" and p["mode"] == "closed"
                and p.get("avg_batch")]
     if batches:
@@ -653,6 +666,43 @@ def discussion(run: Mapping[str, Any]) -> list[str]:
             "few hundred ms waited a whole further batch. Fuller static batches would raise static's tokens/s "
             "and narrow the ratio above, so the missed target is not an artefact of short static batches.")
     return out
+
+
+def step_costs(batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), *, prompt_words: int = 100,
+               steps: int = 30) -> list[dict[str, float]]:
+    """One decoding step's time by sequences in it: tinylm's engine in this process, no server, no client.
+
+    Separates what batching saves on this CPU (the step's fixed part) from what serving
+    adds (responses, cancellation checks, the client on the same cores).
+    """
+    import numpy as np
+
+    from coalesce.generation.loader import load_engine
+    from coalesce.generation.request import read_request
+    from coalesce.settings import ModelSettings
+    from coalesce_tools.config import read_model_config
+
+    config = read_model_config(TINYLM / "config.pbtxt")
+    engine = load_engine(config, TINYLM / "1", settings=ModelSettings.from_model_config(config), start=False)
+    prompt = np.array([(" word" * prompt_words).encode()], dtype=object)
+    rows = []
+    for count in batch_sizes:
+        for _ in range(count):
+            request = read_request({"text_input": prompt}, {"max_tokens": steps * 2, "temperature": 0,
+                                                            "ignore_eos": True}, engine.options)
+            engine.submit(request, lambda event: None)
+        while engine.prefilling:
+            engine.step()  # every prompt prefilled: only decoding steps are timed
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_ms = (time.perf_counter() - start) / steps * 1000
+        while engine.step():
+            pass
+        rows.append({"sequences": count, "step_ms": step_ms, "ms_per_sequence": step_ms / count,
+                     "tokens_per_s": count / step_ms * 1000})
+    engine.close()
+    return rows
 
 
 # --- main -----------------------------------------------------------------------------------------------------------
@@ -771,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             admin.close()
     shutil.rmtree(workdir, ignore_errors=True)
+    costs = step_costs()
 
     ratios = ratio_rows(points)
     closed_row = next((r for r in ratios if r["mode"] == "closed"), None)
@@ -801,6 +852,7 @@ def main(argv: list[str] | None = None) -> int:
         "closed_requests": args.closed_requests, "open_requests": args.open_requests,
         "price_per_hour": args.price_per_hour, "points": points, "ratios": ratios,
         "targets": targets(closed_row) if closed_row else [],
+        "step_costs": costs,
     }
     run["discussion"] = discussion(run)
     image = plot(run, args.out / f"{args.run}.png")

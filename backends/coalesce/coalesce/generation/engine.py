@@ -205,6 +205,12 @@ class GenerationEngine:
         self._checker.shutdown(wait=False)
 
     @property
+    def prefilling(self) -> int:
+        """Requests whose prompt is not all computed yet: queued, waiting, or joined and prefilling."""
+        return (len(self._inbox) + len(self._waiting)
+                + sum(1 for s in self._running if s.computed < len(s.prompt)))
+
+    @property
     def busy(self) -> bool:
         """Whether any request is queued or running."""
         return bool(self._inbox or self._waiting or self._running)
