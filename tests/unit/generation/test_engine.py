@@ -281,3 +281,32 @@ def test_a_failed_step_fails_its_sequences_and_the_engine_carries_on(llama_dir, 
     engine.close()
     assert ok.final.error is None
     assert engine.pool.usage().used == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_on_cuda_the_engine_matches_generate_there(llama_dir, precision):
+    from transformers import AutoModelForCausalLM
+
+    from coalesce.generation.loader import load_engine
+    from coalesce.settings import ModelSettings
+    from tests.unit.generation.conftest import generate_config
+
+    config = generate_config(precision=precision)
+    engine = load_engine(config, llama_dir, settings=ModelSettings.from_model_config(config), instance_kind="GPU",
+                         start=False)
+    assert engine.model.device.type == "cuda"
+    assert engine.model.dtype == (torch.float16 if precision == "fp16" else torch.float32)
+    cases = prompts(8, seed=5)
+    sinks = [submit(engine, prompt, max_tokens=max_tokens) for prompt, max_tokens in cases]
+    run(engine)
+    model = AutoModelForCausalLM.from_pretrained(str(llama_dir / "hf"), dtype=engine.model.dtype).to("cuda").eval()
+    equal = 0
+    for (prompt, max_tokens), sink in zip(cases, sinks, strict=True):
+        ids = engine.tokenizer.encode(prompt).ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=max_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"))
+        equal += sink.text == prompt + engine.tokenizer.decode(out[0, len(ids):].tolist())
+    # fp32 must match token for token; fp16 rounding may flip a near-tie on a few.
+    assert equal == len(cases) if precision == "fp32" else equal >= len(cases) - 2
