@@ -64,8 +64,12 @@ def events(body: str) -> list[dict]:
 
 
 def stream(server, model: str, prompt: str, *, parameters: dict | None = None, timeout_s: float = 120,
-           cancel_after: int = 0) -> tuple[list[str], list[str]]:
-    """One gRPC streaming request (``tritonclient.grpc`` ``start_stream``): the texts streamed and any errors."""
+           cancel_after: int = 0, as_request_parameters: bool = False) -> tuple[list[str], list[str]]:
+    """One gRPC streaming request (``tritonclient.grpc`` ``start_stream``): the texts streamed and any errors.
+
+    ``parameters`` go in the ``sampling_parameters`` input, or with ``as_request_parameters``
+    as the request's own parameters (as vLLM-backend clients may send them).
+    """
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -85,14 +89,17 @@ def stream(server, model: str, prompt: str, *, parameters: dict | None = None, t
             done.set()
 
     inputs = []
-    for name, value, datatype in (("text_input", prompt.encode(), "BYTES"), ("stream", True, "BOOL"),
-                                  ("sampling_parameters", json.dumps(parameters or {}).encode(), "BYTES")):
+    tensors = [("text_input", prompt.encode(), "BYTES"), ("stream", True, "BOOL")]
+    if not as_request_parameters:
+        tensors.append(("sampling_parameters", json.dumps(parameters or {}).encode(), "BYTES"))
+    for name, value, datatype in tensors:
         tensor = grpcclient.InferInput(name, [1], datatype)
         tensor.set_data_from_numpy(np.array([value], dtype=object if datatype == "BYTES" else bool))
         inputs.append(tensor)
     client.start_stream(callback=callback)
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True,
+                                  parameters=parameters if as_request_parameters else None)
         if cancel_after:
             deadline = time.monotonic() + timeout_s
             while len(texts) < cancel_after and not done.is_set() and time.monotonic() < deadline:
@@ -159,6 +166,16 @@ def test_16_concurrent_grpc_streams_each_equal_generate_alone(server, reference)
     for (prompt, max_tokens), (texts, errors) in zip(cases, results, strict=True):
         assert not errors
         assert "".join(texts) == reference(prompt, max_tokens), (prompt, max_tokens)
+
+
+def test_grpc_request_parameters_carry_sampling_as_the_input_does(server, reference):
+    prompt = "for item in data:"
+    texts, errors = stream(server, MODEL, prompt, parameters={"max_tokens": 10, "temperature": 0.0},
+                           as_request_parameters=True)
+    assert not errors and "".join(texts) == reference(prompt, 10)
+    _, errors = stream(server, MODEL, prompt, parameters={"max_tokens": 10, "temprature": 0.5},
+                       as_request_parameters=True)
+    assert errors and "temprature" in errors[0]
 
 
 def test_seeded_sampling_gives_the_same_text_alone_and_among_neighbours(server):
