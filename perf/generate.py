@@ -664,7 +664,7 @@ def discussion(run: Mapping[str, Any]) -> list[str]:
             f"{', '.join(f'{b:.1f}' for b in batches)}), not the {run['concurrency']} clients: the raw CSVs show the "
             "next batch often closed while the running one was still draining, so requests sent in its last "
             "few hundred ms waited a whole further batch. Fuller static batches would raise static's tokens/s "
-            "and narrow the ratio above, so the missed target is not an artefact of short static batches.")
+            "and narrow the ratio above.")
     return out
 
 
