@@ -23,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 
 from coalesce.batching.pipeline import RequestResult
 from coalesce.core.errors import CoalesceError, RuntimeFailure, as_result
-from coalesce.core.limits import check_request_bytes
+from coalesce.core.limits import check_request_bytes, oversize_error, request_bytes
 from coalesce.core.tensors import TensorSpec
 from coalesce.generation.events import GenerationEvent
 from coalesce.generation.loader import GENERATION_INPUTS, load_engine
@@ -261,9 +261,10 @@ class TritonPythonModel:
         """
         respond = _Responder(request)
         tensors = self._tensors(request)
-        oversize = check_request_bytes(tensors, self._pipeline.max_request_bytes)
-        if oversize is not None:
-            return Submission(tensors=oversize, respond=respond)
+        size = request_bytes(tensors)
+        limit = self._pipeline.max_request_bytes
+        if limit and size > limit:
+            return Submission(tensors=oversize_error(size, limit), respond=respond)
         tensors = {name: array if array.dtype == np.object_ else np.array(array, copy=True)
                    for name, array in tensors.items()}
         parameters = read_parameters(request.parameters())
@@ -271,7 +272,7 @@ class TritonPythonModel:
             return Submission(tensors=parameters, respond=respond)
         tenant, priority = parameters
         return Submission(tensors=tensors, respond=respond, tenant=tenant, priority=priority,
-                          timeout_s=request.timeout() / 1e6, is_cancelled=request.is_cancelled)
+                          timeout_s=request.timeout() / 1e6, is_cancelled=request.is_cancelled, size_bytes=size)
 
 
 def _allow_ragged_batch(model_config: Any, names: Sequence[str]) -> None:

@@ -157,15 +157,16 @@ class Pipeline:
         """One request's rows from its input tensors, or the error it is to be answered with."""
         return self.read_sized(tensors)[0]
 
-    def read_sized(self, tensors: Mapping[str, np.ndarray] | CoalesceError) -> tuple[list[Row] | CoalesceError, int]:
+    def read_sized(self, tensors: Mapping[str, np.ndarray] | CoalesceError, *,
+                   size_bytes: int | None = None) -> tuple[list[Row] | CoalesceError, int]:
         """``read``, and the request's size in bytes (``coalesce.core.limits.request_bytes``; 0 for an error).
 
         The size is checked against ``max_request_bytes`` before the task reads (copies,
-        decodes) anything.
+        decodes) anything; ``size_bytes`` is that size where the caller measured it already.
         """
         if isinstance(tensors, CoalesceError):
             return tensors, 0
-        size = request_bytes(tensors)
+        size = request_bytes(tensors) if size_bytes is None else size_bytes
         if self.max_request_bytes and size > self.max_request_bytes:
             return oversize_error(size, self.max_request_bytes), 0
         try:

@@ -59,6 +59,8 @@ class Submission:
         priority: Triton priority level (0: the model's default).
         timeout_s: The request's own timeout (0: none).
         is_cancelled: Whether the client has cancelled it.
+        size_bytes: Its size (``coalesce.core.limits.request_bytes``) where the caller already
+            measured it against ``max_request_bytes``; None: the pipeline measures it.
     """
 
     tensors: Mapping[str, np.ndarray] | CoalesceError
@@ -67,6 +69,7 @@ class Submission:
     priority: int = DEFAULT_PRIORITY
     timeout_s: float = 0.0
     is_cancelled: Callable[[], bool] | None = None
+    size_bytes: int | None = None
 
 
 #: Hands one answer to its request: sent through the sender threads (the Future) or kept to return from execute.
@@ -221,7 +224,7 @@ class AdaptiveScheduler:
         sizes: dict[int, int] = {}
         start = time.perf_counter()
         for index, sub in enumerate(submissions):
-            rows, sizes[id(sub)] = self.pipeline.read_sized(sub.tensors)
+            rows, sizes[id(sub)] = self.pipeline.read_sized(sub.tensors, size_bytes=sub.size_bytes)
             sub.tensors = {}  # read once; a queued request keeps only its rows (texts already cut)
             if isinstance(rows, CoalesceError):
                 answers[index] = rows
