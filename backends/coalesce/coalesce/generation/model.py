@@ -74,7 +74,7 @@ class CausalLM:
             ConfigError: If the folder holds no loadable causal LM, or its attention does not
                 go through ``transformers``' attention interface.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         register()
         if not (model_dir / "config.json").is_file():
@@ -83,7 +83,6 @@ class CausalLM:
             raise ConfigError(f"model '{name}': {model_dir} holds no *.safetensors weights (only safetensors are "
                               "loaded: pickled weights can run code)")
         try:
-            config = AutoConfig.from_pretrained(str(model_dir))
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=ATTENTION_NAME,
                                                          dtype=dtype, use_safetensors=True)
         except (OSError, ValueError, KeyError) as exc:
@@ -92,7 +91,7 @@ class CausalLM:
         self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.device = device
         self.dtype = dtype
-        text = config.get_text_config()
+        text = model.config.get_text_config()
         limits = [getattr(text, key, None) for key in ("max_position_embeddings", "n_positions", "max_seq_len")]
         self.context_length = min((int(v) for v in limits if isinstance(v, int) and v > 0), default=1 << 20)
         window = getattr(text, "sliding_window", None)
