@@ -356,6 +356,8 @@ class GenerationEngine:
             else:
                 self.metrics.inter_token_seconds.observe(now - sequence.last_token_s)
             sequence.last_token_s = now
+            if token not in self.model.eos_token_ids:
+                sequence.text.add(token)
             finish = self._finish_reason(sequence, token)
             if finish is not None:
                 sequence.text.finish()
@@ -368,8 +370,6 @@ class GenerationEngine:
         sampling = sequence.request.sampling
         if token in self.model.eos_token_ids and not sampling.ignore_eos:
             return FINISH_STOP
-        if token not in self.model.eos_token_ids:
-            sequence.text.add(token)
         if sequence.text.stopped:
             return FINISH_STOP
         if len(sequence.generated) >= sampling.max_tokens or sequence.length >= sequence.total_tokens:
