@@ -361,10 +361,10 @@ def missing_files(config: dict[str, Any], version_dir: Path) -> list[str]:
     wanted = []
     if settings.task.task == "generate":
         folder = settings.runtime.torch_model_dir
-        wanted = [f"{folder}/config.json", f"{folder}/tokenizer.json"]
-        found = [name for name in wanted if (version_dir / name).is_file()]
-        weights = list((version_dir / folder).glob("*.safetensors")) if (version_dir / folder).is_dir() else []
-        return [name for name in wanted if name not in found] + ([] if weights else [f"{folder}/*.safetensors"])
+        missing = [name for name in (f"{folder}/config.json", f"{folder}/tokenizer.json")
+                   if not (version_dir / name).is_file()]
+        weights = any((version_dir / folder).glob("*.safetensors"))
+        return missing + ([] if weights else [f"{folder}/*.safetensors"])
     if settings.runtime.runtime in ("auto", "onnxruntime"):
         wanted.append(settings.runtime.onnx_file)
     if settings.task.task in ("embedding", "classify"):
