@@ -376,18 +376,43 @@ class Streams:
                 client.close()
 
 
+class _Clock:
+    """Seconds since the last ``reset``."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self._start
+
+
+def _open_streams(url: str, count: int, model: str, trace: Sequence[TraceRequest], *, batched: bool,
+                  scheduled: bool) -> tuple[_Clock, Streams, list[RequestRecord]]:
+    """``count`` open streams, a record per request (scheduled at its arrival, or when sent) and the run's clock.
+
+    The clock starts once the streams are open.
+    """
+    clock = _Clock()
+    streams = Streams(url, count, model, batched=batched, clock=clock)
+    records = [RequestRecord(index=t.index, max_tokens=t.max_tokens, prompt_tokens=t.prompt_tokens,
+                             scheduled_s=t.arrival_s if scheduled else math.nan) for t in trace]
+    clock.reset()
+    return clock, streams, records
+
+
+def _wall_s(streams: Streams, records: Sequence[RequestRecord], clock: _Clock, deadline_s: float) -> float:
+    """End what is still pending at the deadline; the run's wall time: to its last final response."""
+    streams.fail_pending(f"not finished within the run's deadline of {deadline_s:.0f} s")
+    return max([r.done_s for r in records if r.ok], default=clock())
+
+
 def run_closed(url: str, model: str, trace: Sequence[TraceRequest], *, concurrency: int, batched: bool,
                deadline_s: float) -> tuple[list[RequestRecord], float]:
     """Closed loop: ``concurrency`` clients, each sending the trace's next request when its last one ended."""
-    start = time.perf_counter()
-
-    def clock() -> float:
-        return time.perf_counter() - start
-
-    streams = Streams(url, concurrency, model, batched=batched, clock=clock)
-    records = [RequestRecord(index=t.index, max_tokens=t.max_tokens, prompt_tokens=t.prompt_tokens,
-                             scheduled_s=math.nan) for t in trace]
-    start = time.perf_counter()
+    clock, streams, records = _open_streams(url, concurrency, model, trace, batched=batched, scheduled=False)
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for t in trace:
         todo.put(t.index)
@@ -414,8 +439,7 @@ def run_closed(url: str, model: str, trace: Sequence[TraceRequest], *, concurren
             thread.start()
         for thread in threads:
             thread.join(timeout=deadline_s + 5)
-        streams.fail_pending(f"not finished within the run's deadline of {deadline_s:.0f} s")
-        wall = max([r.done_s for r in records if r.ok], default=clock())
+        wall = _wall_s(streams, records, clock, deadline_s)
     finally:
         streams.close()
     for r in records:
@@ -427,16 +451,8 @@ def run_closed(url: str, model: str, trace: Sequence[TraceRequest], *, concurren
 def run_open(url: str, model: str, trace: Sequence[TraceRequest], *, clients: int, batched: bool,
              deadline_s: float) -> tuple[list[RequestRecord], float]:
     """Open loop: every request sent at its scheduled arrival, round-robin over ``clients`` streams."""
-    start = time.perf_counter()
-
-    def clock() -> float:
-        return time.perf_counter() - start
-
-    streams = Streams(url, clients, model, batched=batched, clock=clock)
-    records = [RequestRecord(index=t.index, max_tokens=t.max_tokens, prompt_tokens=t.prompt_tokens,
-                             scheduled_s=t.arrival_s) for t in trace]
+    clock, streams, records = _open_streams(url, clients, model, trace, batched=batched, scheduled=True)
     events = []
-    start = time.perf_counter()
     try:
         for t, record in zip(trace, records, strict=True):
             pause = t.arrival_s - clock()
@@ -451,8 +467,7 @@ def run_open(url: str, model: str, trace: Sequence[TraceRequest], *, clients: in
                 record.error = f"send failed: {exc}"[:300]
         for event in events:
             event.wait(timeout=max(deadline_s - clock(), 0.0))
-        streams.fail_pending(f"not finished within the run's deadline of {deadline_s:.0f} s")
-        wall = max([r.done_s for r in records if r.ok], default=clock())
+        wall = _wall_s(streams, records, clock, deadline_s)
     finally:
         streams.close()
     return records, wall
