@@ -12,12 +12,18 @@ MINILM = ROOT / "model_repository" / "minilm"
 
 
 def add_model(repository: Path, name: str, config: str, *, version_dir: Path = MINILM / "1") -> Path:
-    """Write ``repository/name/config.pbtxt`` and link the ONNX graph and tokenizer of ``version_dir``."""
+    """Write ``repository/name/config.pbtxt`` and link every regular file of ``version_dir`` into its version 1.
+
+    Every file, not a fixed list: a variant file the config may select (an INT8 graph beside
+    ``model.onnx``, a TensorRT plan) is then there as in the shipped folder. Folders (``hf/``)
+    are left out: the perf lab's models run the ONNX graph.
+    """
     target = repository / name / "1"
     target.mkdir(parents=True)
     (repository / name / "config.pbtxt").write_text(config)
-    for item in ("model.onnx", "tokenizer.json"):
-        (target / item).symlink_to((version_dir / item).resolve())
+    for item in sorted(version_dir.iterdir()):
+        if item.is_file():
+            (target / item.name).symlink_to(item.resolve())
     return repository / name
 
 
