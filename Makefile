@@ -1,4 +1,6 @@
-# Two commands for a newcomer: `make serve` and `make test`. Both set everything up first.
+# Two commands for a newcomer: `make serve` and `make test`. Both set everything up first:
+# `make serve` what serving and building the example models need, `make test` (and every benchmark)
+# the dev tool chain too (scripts/setup.sh --dev).
 VENV   := .venv
 BIN    := $(VENV)/bin
 # The repository `make serve` serves (and `make setup` prepares): your own with MODEL_REPOSITORY=<dir>.
@@ -6,6 +8,7 @@ MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
 BENCH_ARGS ?=
+PEERS_ARGS ?=
 LOAD_ARGS ?=
 P99_MS ?= 200
 TUNE_ARGS ?=
@@ -14,68 +17,76 @@ TUNE_PROFILE ?= queries
 SOAK_S ?= 600
 SOAK_ARGS ?=
 
-.PHONY: setup serve test unit integration lint lock clean bench bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood
+.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood
 
-setup:                 ## venv, pinned packages, OS packages, the repository's models, Triton runtime (idempotent)
+setup:                 ## venv with .[serve,export,generate], OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
+
+setup-dev:             ## setup, plus the test, lint and perf tool chain (.[dev])
+	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh --dev
 
 serve: setup           ## start Triton on $(MODEL_REPOSITORY) (HOST, *_PORT, MODEL_CONTROL, COALESCE_ADMIN_KEY, GRPC_TLS_*, RESPONSE_CACHE_BYTES, RATE_LIMIT)
 	$(BIN)/coalesce serve --model-repository "$(MODEL_REPOSITORY)"
 
-test: setup            ## lint, then unit and integration tests (a real tritonserver)
-	$(MAKE) --no-print-directory lint
+test: setup-dev lint   ## lint, then unit and integration tests (a real tritonserver)
 	$(BIN)/pytest $(PYTEST_ARGS) tests perf/tests
 
-bench:                 ## perf_analyzer: coalesce vs naive side by side, offline ceilings; writes perf/results/
+bench:                 ## perf_analyzer: coalesce vs naive side by side, offline ceilings; then perf.peers (PEERS_ARGS): Infinity, Ray Serve; writes perf/results/
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.bench $(BENCH_ARGS)
+	$(BIN)/python -m perf.peers $(PEERS_ARGS)
 
 bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm
-	@bash scripts/setup.sh --bench
+	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.shared_cache $(BENCH_ARGS)
 
 bench-generate:        ## tinylm: continuous batching vs static (Triton-batched) vs one at a time, 16 streams + Poisson; writes perf/results/generate-*
-	@bash scripts/setup.sh --bench
+	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.generate $(BENCH_ARGS)
 
 bench-neighbours:      ## one model at 2x capacity beside light ones, by isolation variant; writes perf/results/neighbours-*
-	@bash scripts/setup.sh --bench
+	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.neighbours $(BENCH_ARGS)
 
 eval-adaptive:         ## adaptive scheduling vs the best static config coalesce tune finds for the same p99 (EVAL_ARGS); writes perf/results/adaptive-*
-	@bash scripts/setup.sh --bench
+	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.adaptive $(EVAL_ARGS)
 
 soak:                  ## SOAK_S seconds (600) of mixed load, bad inputs, Redis restarted twice, a stub killed; writes perf/results/soak-*
-	@bash scripts/setup.sh
+	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.soak --duration-s $(SOAK_S) $(SOAK_ARGS)
 
 flood:                 ## 64 threads of 1 MiB rows at minilm for FLOOD_SECONDS (60): RSS bounded, canaries answered; writes perf/results/flood-<date>.md
-	@bash scripts/setup.sh
+	@bash scripts/setup.sh --dev
 	COALESCE_FLOOD=1 FLOOD_REPORT=perf/results/flood-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_flood.py
 
 load:                  ## Locust, headless: steady/poisson/burst/ramp over gRPC and HTTP; writes perf/results/load-*
-	@bash scripts/setup.sh
+	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.load $(LOAD_ARGS)
 
 tune:                  ## coalesce tune --p99-ms $(P99_MS) on a seeded workload; writes perf/results/tune-*
-	@bash scripts/setup.sh --bench
+	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.workloads --profile $(TUNE_PROFILE) --count 3000 --out .triton/tune-$(TUNE_PROFILE).json
 	$(BIN)/coalesce tune --p99-ms $(P99_MS) --input-data .triton/tune-$(TUNE_PROFILE).json $(TUNE_ARGS)
 
-unit: setup
+unit: setup-dev
 	$(BIN)/pytest $(PYTEST_ARGS) tests/unit perf/tests
 
-integration: setup
+integration: setup-dev
 	$(BIN)/pytest $(PYTEST_ARGS) tests/integration
 
-lint:                  ## ruff (style, docstrings) and mypy
+lint: setup-dev        ## ruff (style, docstrings) and mypy
 	$(BIN)/ruff check backends client tests scripts perf
 	$(BIN)/mypy
 
-lock:                  ## re-pin requirements/constraints.txt from a fresh venv
+# Current pins are kept and packages new to the extras are added; UPGRADE=1 re-resolves every one.
+# torch: its CPU index where reachable (as scripts/setup.sh), else the configured indexes.
+lock:                  ## re-pin requirements/constraints.txt from a fresh venv (UPGRADE=1: newest of everything)
 	rm -rf /tmp/coalesce-lock && python3 -m venv /tmp/coalesce-lock
-	/tmp/coalesce-lock/bin/pip install -q -e ".[dev,serve,generate]"
+	/tmp/coalesce-lock/bin/pip install -q -U "pip>=24"
+	/tmp/coalesce-lock/bin/pip install -q -e ".[dev]" $(if $(UPGRADE),,-c requirements/constraints.txt) \
+	  $$(curl -fsS --max-time 3 -o /dev/null https://download.pytorch.org/whl/cpu/torch/ 2>/dev/null \
+	     && echo --extra-index-url https://download.pytorch.org/whl/cpu)
 	{ echo "# Pinned versions of every package the project installs (pip constraints)."; \
 	  echo "# Regenerate: make lock.  torch is the local CPU build (2.13.0+cpu satisfies ==2.13.0)."; \
 	  /tmp/coalesce-lock/bin/pip freeze --exclude-editable | grep -v '^-e' | sed 's/^torch==\(.*\)+cpu/torch==\1/'; \

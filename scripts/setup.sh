@@ -3,6 +3,11 @@
 # packages, the models of the repository (MODEL_REPOSITORY, default model_repository/: the
 # example models are built by their recipes, a user's own are checked), and a check of the
 # Triton runtime. Each step is skipped when already done, so a second run takes seconds.
+#   bash scripts/setup.sh          # .[serve,export,generate]: serving, and building the example models
+#   bash scripts/setup.sh --dev    # and .[dev]: tests, lint, the perf lab (make test, the benchmarks)
+#   bash scripts/setup.sh --bench  # --dev, and the peers of perf.peers (scripts/setup_peers.sh, .bench/)
+# Serving alone imports only .[serve] (and .[generate] for a generate model); export brings torch
+# because the example models are built from their recipes here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,9 +30,11 @@ ensure_apt() {  # ensure_apt PACKAGE...: install the Debian packages that are mi
 }
 
 BENCH=0
+EXTRAS=(serve export generate)
 for arg in "$@"; do
   case "$arg" in
-    --bench) BENCH=1 ;;  # the benchmarks' own set-up (kept for their make targets)
+    --dev) EXTRAS+=(dev) ;;
+    --bench) EXTRAS+=(dev); BENCH=1 ;;
     *) say "unknown option $arg"; exit 2 ;;
   esac
 done
@@ -43,23 +50,43 @@ if [ ! -e "$libdir/libpython${pyver}.so.1.0" ] && ! ldconfig -p | grep -q "libpy
   ensure_apt "libpython${pyver}"
 fi
 
-# 2. The virtual environment and pinned packages (re-installed only when pins change).
+# 2. The virtual environment and pinned packages. The stamp holds the pins' digest and the extras
+# installed: pip runs when the pins change or an extra is asked for that is not there yet (a --dev
+# run after a plain one), and installs every extra the venv already had too, so that none is left
+# on old pins; a plain run after a --dev one has nothing to do.
 [ -x $VENV/bin/python ] || { say "creating $VENV"; $PYTHON -m venv $VENV; }
 want=$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)
-if [ "$(cat $STAMP 2>/dev/null)" != "$want" ]; then
-  say "installing pinned packages into $VENV (first run: a few minutes)"
+had_digest="" had_extras=""
+[ -f $STAMP ] && read -r had_digest had_extras < $STAMP
+extras=$(printf '%s\n' "${EXTRAS[@]}" ${had_extras//,/ } | sort -u | paste -sd, -)
+if [ "$had_digest" != "$want" ] || [ "$extras" != "$had_extras" ]; then
+  say "installing pinned packages into $VENV: .[$extras] (first run: a few minutes)"
+  # torch: the CPU build from torch's own index where it answers (2.13.0+cpu then wins over PyPI's
+  # CUDA build of 2.13.0, whose nvidia wheels weigh GBs); else whatever the configured indexes give.
+  torch_index=()
+  if timeout 5 $VENV/bin/python -c \
+       'import urllib.request as u; u.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=3)' 2>/dev/null; then
+    torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+    say "torch: the CPU build from download.pytorch.org/whl/cpu"
+  else
+    say "torch: download.pytorch.org unreachable; from the configured indexes (pip config list shows them;" \
+        "PyPI alone gives the CUDA build)"
+  fi
   log=$VENV/pip-install.log
   if ! { $VENV/bin/python -m pip install --disable-pip-version-check -U "pip>=24" &&
          $VENV/bin/python -m pip install --disable-pip-version-check -c requirements/constraints.txt \
-           -e ".[dev,serve,generate]"; } >"$log" 2>&1; then
+           ${torch_index[@]+"${torch_index[@]}"} -e ".[$extras]"; } >"$log" 2>&1; then
     tail -40 "$log" >&2; say "pip install failed; full log in $log"; exit 1
   fi
   $VENV/bin/python -c 'import coalesce, coalesce_tools, coalesce_client, onnxruntime, tokenizers, tritonclient.grpc, pytriton' \
     || { say "package install failed"; exit 1; }
-  echo "$want" > $STAMP
+  echo "$want $extras" > $STAMP
 else
-  say "packages up to date"
+  say "packages up to date (.[$extras])"
 fi
+
+# The peers perf.peers compares with, each in its own venv under .bench/ (make bench).
+if [ $BENCH -eq 1 ]; then bash scripts/setup_peers.sh; fi
 
 # 3. The models: example models built by their recipes (skipped while current), a user's own checked.
 HF_HUB_OFFLINE=1 $VENV/bin/coalesce prepare --model-repository "$MODEL_REPOSITORY"
