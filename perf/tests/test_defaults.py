@@ -1,0 +1,63 @@
+import pytest
+
+from perf import defaults
+from perf.repository import MINILM
+
+SHIPPED = (MINILM / "config.pbtxt").read_text()
+
+
+def test_every_variant_changes_one_setting_of_the_shipped_config():
+    configs = {v: defaults.variant_config(SHIPPED, v) for v in defaults.VARIANTS}
+    for variant, config in configs.items():
+        assert f'name: "minilm_{variant}"' in config and 'name: "minilm"' not in config
+        # The shipped thread settings stay: these are the defaults as served.
+        assert defaults.parameter(config, "intra_op_threads") == "1"
+        assert defaults.parameter(config, "thread_spinning") == "false"
+    assert defaults.parameter(configs["shipped"], "precision") == "int8"
+    assert defaults.parameter(configs["fp32"], "precision") == "fp32"
+    assert "max_queue_delay_microseconds: 0\n" in configs["shipped"]
+    assert "max_queue_delay_microseconds: 2000\n" in configs["delay2000"]
+    assert "max_queue_delay_microseconds: 0\n" not in configs["delay2000"]
+    assert [v for v, c in configs.items() if not defaults.has_cache(c)] == ["nocache"]
+    # Apart from the name, each variant differs from the shipped text in one line: its own setting's.
+    for variant, edited in (("fp32", "precision"), ("nocache", "cache_bytes"), ("delay2000", "max_queue_delay")):
+        shipped = configs["shipped"].replace("minilm_shipped", f"minilm_{variant}").splitlines()
+        changed = [b for a, b in zip(shipped, configs[variant].splitlines(), strict=True) if a != b]
+        assert len(changed) == 1 and edited in changed[0]
+
+
+def test_delay_variant_refuses_a_shipped_config_without_the_zero_delay():
+    changed = SHIPPED.replace("max_queue_delay_microseconds: 0\n", "max_queue_delay_microseconds: 500\n")
+    with pytest.raises(ValueError, match="max_queue_delay_microseconds"):
+        defaults.variant_config(changed, "delay2000")
+    with pytest.raises(ValueError, match="unknown variant"):
+        defaults.variant_config(SHIPPED, "fp16")
+
+
+def test_windows_keep_a_point_below_the_distinct_texts():
+    assert defaults.max_windows(3000, 100, 1) == 10
+    assert defaults.max_windows(3000, 250, 16) == 9  # 9 * (250 * 1.25 + 16) = 2956 < 3000
+    assert defaults.max_windows(3000, 790, 1) == 3
+    with pytest.raises(ValueError, match="lower --request-count"):
+        defaults.max_windows(3000, 1000, 16)
+
+
+def test_rounds_rotate_the_order_and_ratios_pair_rounds():
+    assert defaults.round_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert defaults.round_order(["a", "b", "c"], 4) == ["b", "c", "a"]
+    points = [{"round": r, "variant": v, "profile": "queries", "concurrency": 16, "throughput_per_s": t}
+              for r, v, t in ((0, "shipped", 100.0), (0, "fp32", 50.0), (1, "shipped", 90.0), (1, "fp32", 60.0),
+                              (2, "shipped", 80.0))]
+    assert defaults.same_round_ratios(points, "throughput_per_s", "shipped", "fp32", profile="queries",
+                                      concurrency=16) == [2.0, 1.5]
+    assert defaults.verdict(1.6, 1.5, at_least=True) == "met by 0.100"
+    assert defaults.verdict(0.9, 0.95, at_least=True) == "missed by 0.050"
+    assert defaults.verdict(0.8, 1.0, at_least=False) == "met by 0.200"
+    assert defaults.verdict(None, 1.0, at_least=True) == "not measured"
+
+
+def test_the_duplicates_point_concerns_the_cache_only():
+    rounds = defaults.plan(["queries"], [1, 16], defaults.VARIANTS, duplicates=True)
+    assert rounds[:2] == [("queries", 1, defaults.VARIANTS), ("queries", 16, defaults.VARIANTS)]
+    assert rounds[2] == ("duplicates", 16, ("shipped", "nocache"))
+    assert len(defaults.plan(["queries"], [1], defaults.VARIANTS, duplicates=False)) == 1
