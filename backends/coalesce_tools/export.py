@@ -12,7 +12,7 @@ small digits classifier trained here on scikit-learn's ``load_digits``. ``prepar
 each recipe once (a stamp, ``export.json``, skips it while its inputs are unchanged) and,
 for a user's model without a recipe, only checks that its files are there.
 
-Needs the ``dev`` extra (torch, transformers, scikit-learn); serving does not.
+Needs the ``export`` extra (torch, transformers, onnx, scikit-learn); serving does not.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Final
 
 from coalesce.cache.keys import file_digest
 from coalesce.settings import ModelSettings, SettingsError
-from coalesce_tools.config import ConfigReadError, coalesce_models, version_dirs
+from coalesce_tools.config import ConfigReadError, coalesce_models, read_model_config, version_dirs
 
 #: Bump when an export changes, so stale build outputs are rebuilt.
 EXPORT_FORMAT: Final = 3  # 3: any HF folder, classify heads, recipes
@@ -136,8 +136,27 @@ def export_hf(hf_dir: Path, out_dir: Path, *, task: str = "embedding", with_toke
 
 
 def recipe_minilm(out_dir: Path, *, force: bool = False) -> bool:
-    """The packaged all-MiniLM-L6-v2 as an embedder: its token states, tokenizer and weights."""
-    return export_hf(packaged_minilm(), out_dir, task="embedding", force=force, stamp_extra={"recipe": "minilm"})
+    """The packaged all-MiniLM-L6-v2 as an embedder: its token states (FP32 and INT8), tokenizer and weights."""
+    wrote = export_hf(packaged_minilm(), out_dir, task="embedding", force=force, stamp_extra={"recipe": "minilm"})
+    return export_int8(out_dir, force=force) or wrote
+
+
+def export_int8(version_dir: Path, *, force: bool = False) -> bool:
+    """The version's INT8 graph, checked by the model's own config (``config.pbtxt`` beside the version folder).
+
+    Raises:
+        SystemExit: If the config is missing or no INT8 graph passes the accuracy guard.
+    """
+    from coalesce_tools.quantize import quantize_int8
+
+    config_path = version_dir.parent / "config.pbtxt"
+    if not config_path.is_file():
+        raise SystemExit(f"coalesce export --int8: needs the model's config.pbtxt at {config_path} (its task and "
+                         "text settings decide the vectors the accuracy guard compares)")
+    def log(line: str) -> None:
+        sys.stderr.write(line + "\n")
+
+    return quantize_int8(version_dir, read_model_config(config_path), force=force, log=log)
 
 
 def recipe_minilm_tokens(out_dir: Path, *, force: bool = False) -> bool:
@@ -367,6 +386,8 @@ def missing_files(config: dict[str, Any], version_dir: Path) -> list[str]:
         return missing + ([] if weights else [f"{folder}/*.safetensors"])
     if settings.runtime.runtime in ("auto", "onnxruntime"):
         wanted.append(settings.runtime.onnx_file)
+    if settings.runtime.precision == "int8":
+        wanted.append(settings.runtime.int8_onnx_file)
     if settings.task.task in ("embedding", "classify"):
         wanted.append(settings.text.tokenizer_file)
     return [name for name in wanted if not (version_dir / name).is_file()]
@@ -418,9 +439,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("model_repository/minilm/1"),
                         help="version folder to write (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="export even if the current export matches")
+    parser.add_argument("--int8", action="store_true",
+                        help="with --hf-dir, task embedding: also write the INT8 graph (model.int8.onnx) for "
+                             "precision int8, checked against the FP32 graph by the model's config.pbtxt beside --out")
     args = parser.parse_args(argv)
+    if args.int8 and (args.hf_dir is None or args.task != "embedding"):
+        parser.error("--int8 goes with --hf-dir and task embedding (the minilm recipe makes its own)")
     if args.hf_dir is not None:
         wrote = export_hf(args.hf_dir, args.out, task=args.task, force=args.force)
+        if args.int8:
+            wrote = export_int8(args.out, force=args.force) or wrote
     else:
         wrote = RECIPES[args.recipe or "minilm"](args.out, force=args.force)
     sys.stderr.write(f"{'exported' if wrote else 'up to date'}: {args.out}\n")

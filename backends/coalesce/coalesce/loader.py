@@ -63,6 +63,8 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
                             bls_call=bls_call)
     logger.info(choice.reason)
     task.bind(choice.runtime.graph)
+    if settings.runtime.precision == "int8":
+        logger.info(check_int8(settings, task, choice.runtime, version_dir))
     metrics = PipelineMetrics(metric_factory or InMemoryMetricFactory(), model=name, version=version)
     cost_model, samples = _cost_model(settings, task, choice.runtime, logger)
     cache_options = settings.cache
@@ -107,10 +109,12 @@ def read_settings(config: Mapping[str, Any]) -> ModelSettings:
 def runtime_fingerprint(settings: ModelSettings, runtime: Runtime, version_dir: Path) -> dict[str, Any]:
     """What of the runtime decides the outputs: which one, its precision and the content of the files it runs."""
     options = settings.runtime
+    int8 = runtime.name == "onnxruntime" and options.precision == "int8"
     fields: dict[str, Any] = {"runtime": runtime.name,
-                              "precision": options.precision if runtime.name == "torch" else "fp32"}
+                              "precision": options.precision if runtime.name == "torch" or int8 else "fp32"}
     if runtime.name == "onnxruntime":
-        fields["onnx_sha256"] = file_digest(version_file(version_dir, options.onnx_file))
+        fields["onnx_sha256"] = file_digest(version_file(version_dir,
+                                                         options.int8_onnx_file if int8 else options.onnx_file))
     elif runtime.name == "tensorrt":
         fields["engine_sha256"] = file_digest(version_file(version_dir, options.engine_file))
     elif runtime.name == "torch":
@@ -118,6 +122,32 @@ def runtime_fingerprint(settings: ModelSettings, runtime: Runtime, version_dir: 
     elif runtime.name == "bls":
         fields["bls_model"] = f"{options.bls_model}:{options.bls_model_version}"
     return fields
+
+
+def check_int8(settings: ModelSettings, task: Task, runtime: Runtime, version_dir: Path) -> str:
+    """Compare the INT8 graph's vectors with the FP32 graph's on the built-in text set; the log line if they agree.
+
+    Raises:
+        ConfigError: If the mean or the minimum cosine is under its setting (the message gives the numbers),
+            or the FP32 graph to compare with is missing.
+    """
+    from coalesce.runtimes.onnx import OnnxRuntime
+    from coalesce.runtimes.quantized import agreement
+
+    options = settings.runtime
+    start = time.perf_counter()
+    reference = OnnxRuntime(version_file(version_dir, options.onnx_file), intra_op_threads=options.intra_op_threads,
+                            inter_op_threads=options.inter_op_threads, thread_spinning=options.thread_spinning)
+    found = agreement(task, reference.run, runtime.run)
+    del reference  # the FP32 session's memory is not kept
+    thresholds = (f"needs mean >= {options.int8_min_mean_cosine}, minimum >= {options.int8_min_cosine} "
+                  "(settings int8_min_mean_cosine, int8_min_cosine)")
+    if not found.passes(options.int8_min_mean_cosine, options.int8_min_cosine):
+        raise ConfigError(f"model '{settings.model_name}': the INT8 graph {options.int8_onnx_file} is too far from "
+                          f"the FP32 graph {options.onnx_file}: {found.describe()}; {thresholds}. Set precision "
+                          "fp32, or re-quantise (`coalesce export --int8` tries smaller blocks until it passes)")
+    return (f"INT8 accuracy guard passed in {time.perf_counter() - start:.2f} s: {found.describe()} against "
+            f"{options.onnx_file}; {thresholds}")
 
 
 def _cost_model(settings: ModelSettings, task: Task, runtime: Runtime,

@@ -23,14 +23,14 @@ TASKS: Final = ("embedding", "classify", "tensor", "generate")
 ROW_TASKS: Final = ("embedding", "classify", "tensor")
 GENERATION_BATCHING_CHOICES: Final = ("continuous", "request")
 RUNTIME_CHOICES: Final = ("auto", "tensorrt", "onnxruntime", "torch", "bls")
-PRECISION_CHOICES: Final = ("fp32", "fp16")
+PRECISION_CHOICES: Final = ("fp32", "fp16", "int8")
 POOLING_CHOICES: Final = ("mean", "cls")
 ACTIVATION_CHOICES: Final = ("none", "sigmoid", "softmax")
 PLANNER_CHOICES: Final = ("dp", "greedy")
 SCHEDULING_CHOICES: Final = ("triton", "adaptive")
 REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
 #: Parameters naming a file or folder of the model's version folder: each must stay inside it.
-FILE_PARAMETERS: Final = ("tokenizer_file", "onnx_file", "engine_file", "torch_model_dir")
+FILE_PARAMETERS: Final = ("tokenizer_file", "onnx_file", "int8_onnx_file", "engine_file", "torch_model_dir")
 #: Per-input parameter of the tensor task: ``pad_value:<input name>``.
 PAD_VALUE_PREFIX: Final = "pad_value:"
 _TRUE: Final = frozenset({"true", "1", "yes", "on"})
@@ -177,8 +177,18 @@ class RuntimeOptions:
     torch_model_dir: str = _spec(
         "hf", "Hugging Face weights folder for the torch runtime (text tasks), relative to the version folder.")
     precision: str = _spec(
-        "fp32", "Compute precision of the torch runtime on CUDA (`fp16` halves memory and uses tensor cores); "
-        "TensorRT engines carry their own. Part of the cache key.", choices=PRECISION_CHOICES)
+        "fp32", "Compute precision: `fp16` for the torch runtime on CUDA (halves memory, uses tensor cores); "
+        "`int8` for ONNX Runtime on the CPU (task embedding): runs `int8_onnx_file`, a graph with 8-bit weights "
+        "(`coalesce export --int8`), and loads only if its vectors pass the accuracy guard against "
+        "`onnx_file`. TensorRT engines carry their own. Part of the cache key.", choices=PRECISION_CHOICES)
+    int8_onnx_file: str = _spec(
+        "model.int8.onnx", "precision `int8`: the quantised ONNX graph, relative to the version folder.")
+    int8_min_mean_cosine: float = _spec(
+        0.99, "precision `int8`: least mean cosine between the INT8 and FP32 graphs' vectors on the built-in "
+        "text set; below it the load fails, giving the numbers.", low=-1.0, high=1.0)
+    int8_min_cosine: float = _spec(
+        0.98, "precision `int8`: least cosine of any one text of that set (batched or alone); below it the "
+        "load fails.", low=-1.0, high=1.0)
     cuda_graphs: bool = _spec(
         False, "torch on CUDA: capture CUDA graphs for fixed (rows, length) buckets and pad passes up to them.")
     bls_model: str = _spec("", "runtime `bls`: the Triton model that runs the graph for each pass.")
@@ -418,6 +428,12 @@ class ModelSettings:
         if self.task.task == "generate" and self.runtime.runtime not in ("auto", "torch"):
             raise SettingsError(f"{where}: parameter 'runtime' has bad value '{self.runtime.runtime}': task "
                                 "'generate' runs on the torch runtime (`auto` or `torch`)")
+        if self.runtime.precision == "int8" and (self.task.task != "embedding"
+                                                 or self.runtime.runtime not in ("auto", "onnxruntime")):
+            raise SettingsError(
+                f"{where}: parameter 'precision' has bad value 'int8': INT8 runs ONNX Runtime on the CPU for task "
+                f"'embedding' (its accuracy guard compares vectors); this model has task '{self.task.task}' and "
+                f"runtime '{self.runtime.runtime}'")
         if self.task.task in ("embedding", "classify") and planner.max_batch_tokens < self.task.max_sequence_length:
             raise SettingsError(
                 f"{where}: parameter 'max_batch_tokens' (value '{planner.max_batch_tokens}') is below "

@@ -205,7 +205,7 @@ def task_of(name, **parameters):
 
 
 def test_create_runtime_on_a_cpu_machine():
-    settings, task = task_of("minilm", runtime="auto", intra_op_threads="1")
+    settings, task = task_of("minilm", runtime="auto", intra_op_threads="1", precision="fp32")
     choice = create_runtime(settings, task, built("minilm"), caps=CPU_ONLY)
     assert choice.runtime.name == "onnxruntime"
     assert choice.reason.startswith("runtime 'auto': ONNX Runtime on CPU (passed over TensorRT: no engine at ")
@@ -215,12 +215,17 @@ def test_create_runtime_on_a_cpu_machine():
         create_runtime(settings, task, built("minilm_tokens"), caps=CPU_ONLY)
     assert str(info.value) == ("model 'minilm_tokens': runtime 'torch' is not available: it does not apply to task "
                                "'tensor' (it loads Hugging Face text models)")
-    settings, task = task_of("minilm", runtime="bls", bls_model="encoder")
+    settings, task = task_of("minilm", runtime="bls", bls_model="encoder", precision="fp32")
     with pytest.raises(ConfigError, match=r"^model 'minilm': runtime 'bls' only runs inside Triton$"):
         create_runtime(settings, task, built("minilm"), caps=CPU_ONLY)
-    settings, task = task_of("minilm", runtime="torch", cuda_graphs="true")
+    settings, task = task_of("minilm", runtime="torch", cuda_graphs="true", precision="fp32")
     with pytest.raises(ConfigError, match=r"^model 'minilm': cuda_graphs needs torch on CUDA; runtime 'torch'"):
         create_runtime(settings, task, built("minilm"), caps=CPU_ONLY)
+    settings, task = task_of("minilm")  # as shipped: precision int8
+    choice = create_runtime(settings, task, built("minilm"), caps=CPU_ONLY)
+    assert choice.reason == "precision int8: ONNX Runtime on the CPU runs model.int8.onnx; providers " \
+        "['CPUExecutionProvider']"
+    assert choice.runtime.path == built("minilm") / "model.int8.onnx"
 
 
 def test_auto_passes_torch_over_for_a_task_it_does_not_apply_to(files):
@@ -276,7 +281,8 @@ def test_an_explicit_torch_runtime_serves_the_same_outputs(name):
     from coalesce.loader import load_pipeline
 
     def pipeline(runtime):
-        return load_pipeline(model_config(name, runtime=runtime, cost_model="0.001,0.0001,0"), built(name))
+        return load_pipeline(model_config(name, runtime=runtime, cost_model="0.001,0.0001,0", precision="fp32"),
+                             built(name))
 
     request = {"TEXT": texts("torch and onnx agree", "a second, longer sentence about dynamic batching")}
     if name == "minilm_rerank":

@@ -59,6 +59,19 @@ def create_runtime(settings: ModelSettings, task: Task, version_dir: Path, *, in
         ConfigError: If the asked runtime, its files or its packages are unavailable, or it does not apply to the task.
     """
     options = settings.runtime
+    if options.precision == "int8":
+        # The INT8 kernels (MatMulNBits at accuracy level 4) are ONNX Runtime's CPU kernels; a GPU has fp16.
+        from coalesce.runtimes.onnx import OnnxRuntime
+
+        int8_path = version_file(version_dir, options.int8_onnx_file)
+        if not int8_path.is_file():
+            raise ConfigError(f"model '{settings.model_name}': precision int8 needs the quantised graph {int8_path}; "
+                              "make it with `coalesce export --int8` (the example models' recipes do), or set "
+                              "precision fp32")
+        onnx = OnnxRuntime(int8_path, intra_op_threads=options.intra_op_threads,
+                           inter_op_threads=options.inter_op_threads, thread_spinning=options.thread_spinning)
+        return RuntimeChoice(runtime=onnx, reason=f"precision int8: ONNX Runtime on the CPU runs "
+                             f"{options.int8_onnx_file}; providers {onnx.providers}")
     caps = caps if caps is not None else probe()
     engine_path = version_file(version_dir, options.engine_file)
     torch_dir = version_file(version_dir, options.torch_model_dir)
