@@ -33,8 +33,8 @@ MINILM = ROOT / "model_repository" / "minilm"
 NAIVE = ROOT / "perf" / "baselines" / "naive"
 
 
-#: The ``cached`` system: the shipped config with the row cache on (256 MiB), under its own name.
-CACHE_PARAMETER = '{ key: "cache_bytes", value: { string_value: "268435456" } },\n  { key: "runtime"'
+#: The ``cached`` system: the shipped config with a row cache of 256 MiB, under its own name.
+CACHED_PARAMETERS = {"cache_bytes": "268435456"}
 
 
 def build_repository(dest: Path, systems: list[str]) -> Path:
@@ -45,7 +45,7 @@ def build_repository(dest: Path, systems: list[str]) -> Path:
         source, name = sources[system]
         config = (repository.single_model_config() if source == MINILM else (source / "config.pbtxt").read_text())
         if system == "cached":
-            config = repository.renamed(config, name).replace('{ key: "runtime"', CACHE_PARAMETER, 1)
+            config = repository.with_parameters(repository.renamed(config, name), CACHED_PARAMETERS)
         model = repository.add_model(dest, name, config, version_dir=version)
         if (source / "model.py").is_file():
             shutil.copy(source / "model.py", model / "1" / "model.py")

@@ -47,10 +47,8 @@ COUNTERS = ("coalesce_cache_hits_total", "coalesce_shared_cache_hits_total", "co
 def build_repository(dest: Path, redis_url: str, cache_bytes: int) -> Path:
     """``minilm`` as shipped and ``minilm_shared`` (in-process tier of ``cache_bytes`` + Redis), weights linked."""
     config = repository.single_model_config()
-    shared = repository.renamed(config, SHARED).replace(
-        '{ key: "runtime"',
-        f'{{ key: "cache_bytes", value: {{ string_value: "{cache_bytes}" }} }},\n'
-        f'  {{ key: "redis_url", value: {{ string_value: "{redis_url}" }} }},\n  {{ key: "runtime"', 1)
+    shared = repository.with_parameters(repository.renamed(config, SHARED),
+                                        {"cache_bytes": str(cache_bytes), "redis_url": redis_url})
     for name, text in ((PLAIN, config), (SHARED, shared)):
         repository.add_model(dest, name, text)
     return dest

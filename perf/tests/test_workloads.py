@@ -45,6 +45,7 @@ def test_bench_repository_has_the_cached_variant(tmp_path):
     repo = build_repository(tmp_path, ["coalesce", "cached"])
     cached = (repo / "minilm_cached" / "config.pbtxt").read_text()
     assert 'name: "minilm_cached"' in cached
-    assert '{ key: "cache_bytes", value: { string_value: "268435456" } }' in cached
-    assert "cache_bytes" not in (repo / "minilm" / "config.pbtxt").read_text()
+    assert cached.count('{ key: "cache_bytes", value: { string_value: "268435456" } }') == 1
+    assert cached.count("cache_bytes") == 1
+    assert "268435456" not in (repo / "minilm" / "config.pbtxt").read_text()
     assert (repo / "minilm_cached" / "1" / "model.onnx").exists()

@@ -38,6 +38,12 @@ TIGHT_PARAMETERS = {"kv_cache_bytes": str(4096 * 16 * 16), "max_queue_wait_ms": 
 #: A fixed cost model for test-only variants: they load without calibrating (seconds each on 2 cores).
 FIXED_COST = "0.003,0.0001,0"
 
+#: Test-only variants of minilm start in FP32 without a row cache (the shipped one runs INT8 with one), so that
+#: their vectors equal the FP32 export's and their counters see every row; a test may set either back.
+VARIANT_DEFAULTS = {"precision": "fp32", "cache_bytes": "0"}
+#: Test-only variant: minilm as shipped but in FP32 without a row cache, the exact reference for the others.
+EXACT_MODEL = "minilm_fp32"
+
 
 def add_model(repo: Path, name: str, *, replace: dict[str, str] | None = None, source: Path = MODEL_DIR,
               parameters: dict[str, str] | None = None, wide: int = 0) -> Path:
@@ -48,7 +54,7 @@ def add_model(repo: Path, name: str, *, replace: dict[str, str] | None = None, s
     """
     text = (source / "config.pbtxt").read_text()
     text = text.replace(f'name: "{source.name}"', f'name: "{name}"')
-    text = with_parameters(text, parameters or {})
+    text = with_parameters(text, {**(VARIANT_DEFAULTS if source == MODEL_DIR else {}), **(parameters or {})})
     if wide:
         batching = (f"dynamic_batching {{\n  preferred_batch_size: [ {wide} ]\n"
                     "  max_queue_delay_microseconds: 2000000\n}")
@@ -73,6 +79,7 @@ def repository(tmp_path_factory) -> Path:
         built(name)
         add_model(repo, name, source=REPOSITORY / name)
     add_model(repo, WIDE_MODEL, wide=WIDE_BATCH, parameters={"cost_model": FIXED_COST})
+    add_model(repo, EXACT_MODEL)
     for name in GENERATE_MODELS:
         built(name)
         add_model(repo, name, source=REPOSITORY / name)
@@ -84,7 +91,8 @@ def repository(tmp_path_factory) -> Path:
 def server(repository, request):
     options = ServerOptions(model_repository=repository, host="127.0.0.1", http_port=free_port(),
                             grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                            load_models=(*EXAMPLE_MODELS, WIDE_MODEL, *GENERATE_MODELS, TIGHT_MODEL))
+                            load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, *GENERATE_MODELS,
+                                         TIGHT_MODEL))
     triton = TritonServer(options)
     try:
         triton.start()

@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from coalesce_client import EmbeddingClient
-from tests.integration.conftest import add_model
+from tests.integration.conftest import EXACT_MODEL, add_model
 from tests.integration.test_cache import metric, settled_metric
 
 MODEL = "adaptive"
@@ -62,7 +62,7 @@ def test_every_concurrent_request_is_answered_with_the_same_vectors(server, adap
     batches = [[f"adaptive request {i} row {j}" for j in range(1 + i % 3)] for i in range(48)]
     with EmbeddingClient(url, protocol=protocol, model=MODEL) as client:
         answers = client.embed_many(batches, max_in_flight=16)
-    with EmbeddingClient(server.grpc_url, model="minilm") as plain:
+    with EmbeddingClient(server.grpc_url, model=EXACT_MODEL) as plain:
         expected = plain.embed_many(batches, max_in_flight=16)
     for got, want in zip(answers, expected, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)

@@ -9,7 +9,7 @@ import pytest
 
 from coalesce_client import EmbeddingClient
 from coalesce_client.client import encode_texts
-from tests.integration.conftest import FIXED_COST, infer
+from tests.integration.conftest import EXACT_MODEL, FIXED_COST, infer
 
 
 def metric(server, name, model):
@@ -50,7 +50,7 @@ def test_cached_rows_match_computed_and_are_counted(server, scratch_model, http_
         first = client.embed(["a cached sentence", "another one"])
         # Partial hit, and a duplicate inside the same request.
         second = client.embed(["another one", "a new sentence", "a new sentence", "a cached sentence"])
-    with EmbeddingClient(server.grpc_url, model="minilm") as plain:
+    with EmbeddingClient(server.grpc_url, model=EXACT_MODEL) as plain:
         reference = plain.embed(["a cached sentence", "another one", "a new sentence"])
     assert first.tobytes() == second[[3, 0]].tobytes()
     np.testing.assert_allclose(second[[3, 0, 1]], reference, atol=1e-6)

@@ -41,7 +41,8 @@ def test_embed(server, protocol, reference_model):
         vectors = client.embed(TRICKY_TEXTS)
     want = reference_model.encode(TRICKY_TEXTS, normalize_embeddings=True)
     assert vectors.dtype == np.float32 and vectors.shape == want.shape
-    assert (vectors * want).sum(axis=1).min() >= 0.999
+    cosine = (vectors * want).sum(axis=1)  # the shipped minilm runs INT8: its guard's bounds
+    assert cosine.mean() >= 0.99 and cosine.min() >= 0.98
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -16,7 +16,7 @@ from coalesce_client import EmbeddingClient
 from coalesce_client.client import encode_texts
 from coalesce_client.load import run_load, sample_texts
 from tests.conftest import TRICKY_TEXTS
-from tests.integration.conftest import WIDE_BATCH, WIDE_MODEL, in_one_execute, infer
+from tests.integration.conftest import EXACT_MODEL, WIDE_BATCH, WIDE_MODEL, in_one_execute, infer
 from tests.integration.test_cache import settled_metric
 
 PROTOCOLS = ("http", "grpc")
@@ -39,18 +39,30 @@ def test_vectors_are_unchanged_from_the_recorded_export(server, protocol):
     served (at 244dd6f) for a fixed text set, one text per pass.
     """
     recorded = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "minilm_reference.json").read_text())
-    got = embed_raw(server, protocol, recorded["texts"])
+    got = embed_raw(server, protocol, recorded["texts"], model=EXACT_MODEL)
     cosine = (got * np.asarray(recorded["vectors"], dtype=np.float32)).sum(axis=1)
     assert cosine.min() >= 0.9999, dict(zip(recorded["texts"], cosine.tolist(), strict=True))
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_matches_sentence_transformers(server, protocol, reference_model):
-    got = embed_raw(server, protocol, TRICKY_TEXTS)
+    got = embed_raw(server, protocol, TRICKY_TEXTS, model=EXACT_MODEL)
     want = reference_model.encode(TRICKY_TEXTS, normalize_embeddings=True)
     assert got.shape == (len(TRICKY_TEXTS), 384) and got.dtype == np.float32
     cosine = (got * want).sum(axis=1)
     assert cosine.min() >= 0.999, dict(zip(TRICKY_TEXTS, cosine.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_shipped_int8_model_stays_within_its_guard_of_sentence_transformers(server, protocol, reference_model):
+    texts = sample_texts(120, seed=11) + TRICKY_TEXTS
+    want = reference_model.encode(texts, normalize_embeddings=True)
+    together = (embed_raw(server, protocol, texts) * want).sum(axis=1)
+    with ThreadPoolExecutor(max_workers=8) as pool:  # and one text per request, batched by Triton
+        apart = np.concatenate(list(pool.map(lambda t: embed_raw(server, protocol, [f"{t} (apart)"]), texts)))
+    alone = (apart * reference_model.encode([f"{t} (apart)" for t in texts], normalize_embeddings=True)).sum(axis=1)
+    for cosine in (together, alone):
+        assert cosine.mean() >= 0.99 and cosine.min() >= 0.98, dict(zip(texts, cosine.tolist(), strict=True))
 
 
 def test_one_request_of_many_equals_many_requests_of_one(server):

@@ -149,7 +149,7 @@ def test_real_onnx_runtime_matches_sentence_transformers(version_dir, reference_
     # A version folder elsewhere, holding the built files: the pipeline must run what the folder it is given holds.
     for name in ("model.onnx", "tokenizer.json"):
         (tmp_path / name).symlink_to(version_dir / name)
-    pipeline = load_pipeline(model_config("minilm", cost_model="0.001,0.0001,0"), tmp_path)
+    pipeline = load_pipeline(model_config("minilm", cost_model="0.001,0.0001,0", precision="fp32"), tmp_path)
     assert pipeline.runtime.name == "onnxruntime"
     assert pipeline.runtime.path == tmp_path / "model.onnx"
     assert pipeline.runtime.path.samefile(version_dir / "model.onnx")

@@ -78,7 +78,8 @@ def test_the_pipeline_pools_each_rows_own_token_states(pooling, normalize):
 
 @pytest.mark.parametrize(("pooling", "normalize"), [("cls", True), ("mean", False), ("cls", False)])
 def test_the_real_graphs_token_states_pooled_as_configured(version_dir, pooling, normalize):
-    config = model_config("minilm", pooling=pooling, normalize=str(normalize).lower(), cost_model="0.001,0.0001,0")
+    config = model_config("minilm", pooling=pooling, normalize=str(normalize).lower(), cost_model="0.001,0.0001,0",
+                          precision="fp32")
     pipeline = load_pipeline(config, version_dir)
     (result,) = answers(pipeline, {"TEXT": texts(*TEXTS)})
     # The token states of each text alone, from the same ONNX graph, pooled in numpy.
