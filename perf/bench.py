@@ -52,17 +52,6 @@ def build_repository(dest: Path, systems: list[str]) -> Path:
     return dest
 
 
-def reload_model(server: TritonServer | BaselineServer, model: str) -> None:
-    """Reload ``model`` through the repository API (a fresh instance: its caches start empty)."""
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        client.load_model(model)
-    finally:
-        client.close()
-
-
 SYSTEMS = ("coalesce", "naive", "pytriton", "cached")
 MODELS = {"coalesce": "minilm", "naive": "naive", "pytriton": PYTRITON_MODEL, "cached": "minilm_cached"}
 
@@ -146,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                     # Every point starts with an empty cache: perf_analyzer replays the input
                                     # data from its first entry, so a warm cache would see repeats that the
                                     # workload does not have.
-                                    reload_model(servers[system], MODELS[system])
+                                    repository.reload_model(servers[system].grpc_url, MODELS[system])
                                 point.update(measure(servers[system], MODELS[system], protocol, inputs[profile],
                                                      concurrency, args.request_count, workdir))
                             except perfanalyzer.PerfAnalyzerError as exc:

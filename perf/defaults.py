@@ -138,31 +138,6 @@ def build_repository(dest: Path, variants: Sequence[str]) -> dict[str, str]:
     return configs
 
 
-def reload_model(server: TritonServer, model: str, timeout_s: float = 120.0) -> None:
-    """Unload ``model`` and load it again: a fresh instance, its row cache empty.
-
-    A plain load request is not enough: Triton leaves a loaded model whose files did not
-    change as it is (measured: the cache kept the previous point's vectors and answered a
-    third to four fifths of the next point's texts).
-
-    Raises:
-        TimeoutError: If the model is still ready ``timeout_s`` after the unload request.
-    """
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        client.unload_model(model)
-        deadline = time.monotonic() + timeout_s
-        while client.is_model_ready(model):  # the unload finishes after the request returns
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{model} still ready {timeout_s:.0f} s after its unload request")
-            time.sleep(0.1)
-        client.load_model(model)
-    finally:
-        client.close()
-
-
 def cache_counters(server: TritonServer, model: str) -> dict[str, float]:
     """The row cache's hits and rows of ``model`` now (Triton's metrics, summed over label sets)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
@@ -387,7 +362,7 @@ def measure_point(server: TritonServer, variant: str, configs: Mapping[str, str]
     if has_cache(configs[variant]):
         # perf_analyzer replays the input data from its first entry: a cache still holding the
         # previous point's vectors would answer texts this point's workload never repeats.
-        reload_model(server, model)
+        repository.reload_model(server.grpc_url, model)
     windows = max_windows(distinct_texts, request_count, concurrency)
     before = cache_counters(server, model)
     url = server.grpc_url if protocol == "grpc" else server.http_url

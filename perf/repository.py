@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Final
 
@@ -52,3 +53,28 @@ def single_model_config() -> str:
 def renamed(config: str, name: str) -> str:
     """The shipped minilm config under another model name."""
     return config.replace('name: "minilm"', f'name: "{name}"')
+
+
+def reload_model(grpc_url: str, model: str, timeout_s: float = 120.0) -> None:
+    """Unload ``model`` and load it again: a fresh instance, its row cache empty.
+
+    A plain load request is not enough: Triton leaves a loaded model whose files did not
+    change as it is (measured: the cache kept the previous point's vectors and answered a
+    third to four fifths of the next point's texts).
+
+    Raises:
+        TimeoutError: If the model is still ready ``timeout_s`` after the unload request.
+    """
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        client.unload_model(model)
+        deadline = time.monotonic() + timeout_s
+        while client.is_model_ready(model):  # the unload finishes after the request returns
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{model} still ready {timeout_s:.0f} s after its unload request")
+            time.sleep(0.1)
+        client.load_model(model)
+    finally:
+        client.close()
