@@ -17,7 +17,7 @@ TUNE_PROFILE ?= queries
 SOAK_S ?= 600
 SOAK_ARGS ?=
 
-.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood
+.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood
 
 setup:                 ## venv with .[serve,export,generate], OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -35,6 +35,10 @@ bench:                 ## perf_analyzer: coalesce vs naive side by side, offline
 	@bash scripts/setup.sh --bench
 	$(BIN)/python -m perf.bench $(BENCH_ARGS)
 	$(BIN)/python -m perf.peers $(PEERS_ARGS)
+
+bench-defaults:        ## the shipped minilm defaults (INT8, queue delay 0, row cache) against each alternative; writes perf/results/defaults-*
+	@bash scripts/setup.sh --dev
+	$(BIN)/python -m perf.defaults $(BENCH_ARGS)
 
 bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm
 	@bash scripts/setup.sh --dev
@@ -93,6 +97,6 @@ lock:                  ## re-pin requirements/constraints.txt from a fresh venv 
 	} > requirements/constraints.txt
 
 clean:
-	rm -rf $(VENV) model_repository/*/[0-9]*/model.onnx model_repository/*/[0-9]*/tokenizer.json \
+	rm -rf $(VENV) model_repository/*/[0-9]*/model.onnx model_repository/*/[0-9]*/model.int8.onnx* model_repository/*/[0-9]*/tokenizer.json \
 	  model_repository/*/[0-9]*/export.json model_repository/*/[0-9]*/hf model_repository/*/[0-9]*/model.plan* \
 	  model_repository/*/[0-9]*/*.tmp
