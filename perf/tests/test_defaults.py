@@ -15,22 +15,22 @@ def test_every_variant_changes_one_setting_of_the_shipped_config():
         assert defaults.parameter(config, "thread_spinning") == "false"
     assert defaults.parameter(configs["shipped"], "precision") == "int8"
     assert defaults.parameter(configs["fp32"], "precision") == "fp32"
-    assert "max_queue_delay_microseconds: 500\n" in configs["shipped"]
-    assert "max_queue_delay_microseconds: 2000\n" in configs["delay2000"]
+    assert "max_queue_delay_microseconds: 2000\n" in configs["shipped"]
+    assert "max_queue_delay_microseconds: 500\n" in configs["delay500"]
     assert "max_queue_delay_microseconds: 0\n" in configs["delay0"]
     assert [v for v, c in configs.items() if not defaults.has_cache(c)] == ["nocache"]
     # Apart from the name, each variant differs from the shipped text in one line: its own setting's.
     for variant, edited in (("fp32", "precision"), ("nocache", "cache_bytes"), ("delay0", "max_queue_delay"),
-                            ("delay2000", "max_queue_delay")):
+                            ("delay500", "max_queue_delay")):
         shipped = configs["shipped"].replace("minilm_shipped", f"minilm_{variant}").splitlines()
         changed = [b for a, b in zip(shipped, configs[variant].splitlines(), strict=True) if a != b]
         assert len(changed) == 1 and edited in changed[0]
 
 
 def test_delay_variant_refuses_a_config_without_one_delay_line():
-    changed = SHIPPED.replace("max_queue_delay_microseconds: 500\n", "")
+    changed = SHIPPED.replace("max_queue_delay_microseconds: 2000\n", "")
     with pytest.raises(ValueError, match="max_queue_delay_microseconds"):
-        defaults.variant_config(changed, "delay2000")
+        defaults.variant_config(changed, "delay500")
     with pytest.raises(ValueError, match="unknown variant"):
         defaults.variant_config(SHIPPED, "fp16")
 
