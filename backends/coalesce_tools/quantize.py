@@ -97,7 +97,8 @@ def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool =
                 tmp.replace(int8_path)
                 record = {**wanted, "quantization": f"MatMulNBits, 8 bits, symmetric, block {block_size}, "
                                                     f"accuracy level {ACCURACY_LEVEL}",
-                          "guard_mean_cosine": round(found.mean_cosine, 5), "guard_min_cosine": round(found.min_cosine, 5),
+                          "guard_mean_cosine": round(found.mean_cosine, 5),
+                          "guard_min_cosine": round(found.min_cosine, 5),
                           "guard_texts": found.texts, "seconds": round(time.perf_counter() - start, 1)}
                 record_path.write_text(json.dumps(record, indent=2) + "\n")
                 return True
