@@ -136,8 +136,7 @@ def check_int8(settings: ModelSettings, task: Task, runtime: Runtime, version_di
 
     options = settings.runtime
     start = time.perf_counter()
-    reference = OnnxRuntime(version_file(version_dir, options.onnx_file), intra_op_threads=options.intra_op_threads,
-                            inter_op_threads=options.inter_op_threads, thread_spinning=options.thread_spinning)
+    reference = OnnxRuntime.from_options(version_file(version_dir, options.onnx_file), options)
     found = agreement(task, reference.run, runtime.run)
     del reference  # the FP32 session's memory is not kept
     thresholds = (f"needs mean >= {options.int8_min_mean_cosine}, minimum >= {options.int8_min_cosine} "

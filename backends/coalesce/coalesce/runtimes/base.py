@@ -68,8 +68,7 @@ def create_runtime(settings: ModelSettings, task: Task, version_dir: Path, *, in
             raise ConfigError(f"model '{settings.model_name}': precision int8 needs the quantised graph {int8_path}; "
                               "make it with `coalesce export --int8` (the example models' recipes do), or set "
                               "precision fp32")
-        onnx = OnnxRuntime(int8_path, intra_op_threads=options.intra_op_threads,
-                           inter_op_threads=options.inter_op_threads, thread_spinning=options.thread_spinning)
+        onnx = OnnxRuntime.from_options(int8_path, options)
         return RuntimeChoice(runtime=onnx, reason=f"precision int8: ONNX Runtime on the CPU runs "
                              f"{options.int8_onnx_file}; providers {onnx.providers}")
     caps = caps if caps is not None else probe()
@@ -81,9 +80,8 @@ def create_runtime(settings: ModelSettings, task: Task, version_dir: Path, *, in
     if choice.runtime == "onnxruntime":
         from coalesce.runtimes.onnx import OnnxRuntime
 
-        onnx = OnnxRuntime(version_file(version_dir, options.onnx_file), intra_op_threads=options.intra_op_threads,
-                           inter_op_threads=options.inter_op_threads, thread_spinning=options.thread_spinning,
-                           providers=choice.providers, device_id=device_id)
+        onnx = OnnxRuntime.from_options(version_file(version_dir, options.onnx_file), options,
+                                        providers=choice.providers, device_id=device_id)
         return RuntimeChoice(runtime=onnx, reason=choice.reason + f"; providers {onnx.providers}")
     if choice.runtime == "torch":
         from coalesce.runtimes.torch_runtime import TorchRuntime, buckets_from

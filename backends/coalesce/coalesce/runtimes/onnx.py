@@ -10,6 +10,7 @@ import onnxruntime as ort
 
 from coalesce.core.errors import ConfigError, RuntimeFailure
 from coalesce.core.tensors import ONNX_TO_TRITON, GraphIO, GraphTensor
+from coalesce.settings import RuntimeOptions
 
 
 def graph_io(session: ort.InferenceSession) -> GraphIO:
@@ -70,6 +71,17 @@ class OnnxRuntime:
         self.path = path
         self.graph = graph_io(self._session)
         self.providers = self._session.get_providers()
+
+    @classmethod
+    def from_options(cls, path: Path, options: RuntimeOptions, *,
+                     providers: Sequence[str] = ("CPUExecutionProvider",), device_id: int = 0) -> OnnxRuntime:
+        """A session over ``path`` with the model's thread settings.
+
+        Raises:
+            ConfigError: If the file is missing or ONNX Runtime cannot load it.
+        """
+        return cls(path, intra_op_threads=options.intra_op_threads, inter_op_threads=options.inter_op_threads,
+                   thread_spinning=options.thread_spinning, providers=providers, device_id=device_id)
 
     def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """Run one pass; return the named ``outputs``.
