@@ -29,7 +29,7 @@ from coalesce.generation.events import GenerationEvent
 from coalesce.generation.loader import GENERATION_INPUTS, load_engine
 from coalesce.generation.request import TEXT_OUTPUT
 from coalesce.generation.request import read_request as read_generation_request
-from coalesce.loader import complete_config, load_pipeline, read_settings
+from coalesce.loader import complete_config, load_pipeline, read_settings, triton_prefetch_blockers
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import BufferedMetricFactory, SchedulerMetrics
 from coalesce.scheduling.driver import (
@@ -110,7 +110,6 @@ class TritonPythonModel:
             auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
         elif "sequence_batching" not in config and "ensemble_scheduling" not in config:
             auto_complete_model_config.set_dynamic_batching()
-            _bound_triton_queue(auto_complete_model_config, completion.max_queue_size)
         logger = Logger(str(config.get("name", "model")), pb_utils.Logger)
         for note in completion.notes:
             logger.info(note)
@@ -158,6 +157,14 @@ class TritonPythonModel:
             self._scheduler = AdaptiveScheduler(
                 self._pipeline, scheduler_config(settings, triton_queue_timeout_s=queue_timeout_s),
                 SchedulerMetrics(self._metric_factory, model=settings.model_name, version=version), logger)
+        else:
+            blockers = triton_prefetch_blockers(config)
+            if blockers:
+                logger.warning(f"dynamic_batching sets {', '.join(blockers)}: that turns off Triton's prefetching, "
+                               "and while this instance is busy Triton's batcher can then hold a request for its "
+                               "500 ms idle wait (measured on 2.51: perf/results/queue-policy-*.md); leave them "
+                               "out, or set parameter scheduling to 'adaptive' (with such a policy it runs no pass "
+                               "inside execute)")
         unbatched = [t["name"] for t in config.get("input", [])
                      if -1 in [int(d) for d in t.get("dims", [])] and not t.get("allow_ragged_batch")]
         if unbatched:
@@ -290,20 +297,6 @@ def _allow_ragged_batch(model_config: Any, names: Sequence[str]) -> None:
     for entry in config.get("input", []):
         if entry.get("name") in names:
             entry["allow_ragged_batch"] = True
-
-
-def _bound_triton_queue(model_config: Any, max_queue_size: int | None) -> None:
-    """Give Triton's dynamic batcher a bounded queue (``default_queue_policy.max_queue_size``) where none is set.
-
-    ``ModelConfig`` has no setter for it; the completed config is the object's
-    ``_model_config`` dict, sent back as it is (as in ``_allow_ragged_batch``).
-    """
-    config = getattr(model_config, "_model_config", None)
-    if not max_queue_size or not isinstance(config, dict) or not isinstance(config.get("dynamic_batching"), dict):
-        return
-    policy = config["dynamic_batching"].setdefault("default_queue_policy", {})
-    if not int(policy.get("max_queue_size", 0) or 0):
-        policy["max_queue_size"] = max_queue_size
 
 
 def _bls_call(model: str, version: str, inputs: Mapping[str, np.ndarray],

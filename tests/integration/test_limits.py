@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from coalesce.loader import triton_prefetch_blockers
 from tests.integration.conftest import WIDE_BATCH, WIDE_MODEL, in_one_execute, infer
 
 MIB = 1 << 20
@@ -57,8 +58,17 @@ def test_a_file_parameter_outside_the_version_folder_fails_the_load(server, scra
     assert not http_client.is_model_ready(name)
 
 
-def test_tritons_queue_is_bounded_in_shipped_and_auto_completed_configs(http_client):
+def test_served_configs_keep_tritons_prefetching_and_a_queue_policy_is_warned_of(server, scratch_model, http_client):
     for model in ("minilm", "minilm_rerank", "minilm_tokens", "digits"):  # digits: completed by the backend
-        config = http_client.get_model_config(model)
-        policy = config["dynamic_batching"]["default_queue_policy"]
-        assert int(policy["max_queue_size"]) == 256, (model, policy)
+        assert triton_prefetch_blockers(http_client.get_model_config(model)) == [], model
+    name = "queue_policy_warned"
+    scratch_model(name, replace={r"max_queue_delay_microseconds: (\d+)": r"max_queue_delay_microseconds: \1\n"
+                                 "  default_queue_policy { max_queue_size: 8 }"})
+    http_client.load_model(name)
+    try:
+        policy = http_client.get_model_config(name)["dynamic_batching"]["default_queue_policy"]
+        assert int(policy["max_queue_size"]) == 8
+        assert (f"coalesce[{name}] dynamic_batching sets max_queue_size 8: that turns off Triton's prefetching"
+                in server.log_text())
+    finally:
+        http_client.unload_model(name)

@@ -15,11 +15,10 @@ from coalesce.core.errors import ConfigError
 from coalesce.loader import (
     BLS_DEFAULT_COST,
     DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MAX_QUEUE_SIZE,
     complete_config,
     load_pipeline,
     read_settings,
-    triton_queue_bounded,
+    triton_prefetch_blockers,
 )
 from coalesce.observability.log import Logger
 from coalesce.runtimes import RuntimeChoice
@@ -76,18 +75,23 @@ def test_the_digits_config_is_completed_from_its_graph():
     assert specs(completion.inputs) == [{"name": "image", "data_type": "TYPE_FP32", "dims": [8, 8]}]
     assert specs(completion.outputs) == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}]
     assert completion.max_batch_size is None  # the config says 256
-    assert completion.max_queue_size == DEFAULT_MAX_QUEUE_SIZE  # its config bounds no queue
-    assert completion.notes == ["auto-completed input image TYPE_FP32 [8, 8], output logits TYPE_FP32 [10], "
-                                "dynamic_batching max_queue_size 256"]
+    assert completion.notes == ["auto-completed input image TYPE_FP32 [8, 8], output logits TYPE_FP32 [10]"]
 
 
-def test_triton_queue_is_bounded_only_where_the_config_bounds_none():
-    bounded = {"dynamic_batching": {"default_queue_policy": {"max_queue_size": "32"}}}
-    assert triton_queue_bounded(bounded)
-    assert not triton_queue_bounded({"dynamic_batching": {"default_queue_policy": {"max_queue_size": "0"}}})
-    assert not triton_queue_bounded({})
-    assert triton_queue_bounded({"sequence_batching": {}})
-    assert complete_config({**model_config("minilm"), **bounded}, None).max_queue_size is None
+def test_settings_that_turn_off_tritons_prefetching_are_named():
+    def blockers(batching):
+        return triton_prefetch_blockers({"dynamic_batching": batching})
+
+    assert blockers({"default_queue_policy": {"max_queue_size": "256"}}) == ["max_queue_size 256"]
+    assert blockers({"default_queue_policy": {"timeout_action": "REJECT", "default_timeout_microseconds": "50000",
+                                              "allow_timeout_override": True},
+                     "priority_levels": "2"}) == ["default_timeout_microseconds 50000",
+                                                  "allow_timeout_override true", "priority_levels 2"]
+    assert blockers({"default_queue_policy": {"max_queue_size": "0", "default_timeout_microseconds": 0}}) == []
+    assert blockers({"preferred_batch_size": [16]}) == []
+    assert triton_prefetch_blockers({}) == triton_prefetch_blockers({"sequence_batching": {}}) == []
+    for name in ("minilm", "minilm_rerank", "minilm_tokens", "digits"):
+        assert triton_prefetch_blockers(model_config(name)) == [], name
 
 
 def test_a_minimal_config_gets_a_row_limit():
@@ -95,9 +99,8 @@ def test_a_minimal_config_gets_a_row_limit():
     completion = complete_config(minimal, built("digits"))
     assert completion.max_batch_size == DEFAULT_MAX_BATCH_SIZE == 64
     assert completion.notes == ["auto-completed input image TYPE_FP32 [8, 8], output logits TYPE_FP32 [10], "
-                                "max_batch_size 64, dynamic_batching max_queue_size 256"]
-    assert complete_config(minimal, None).notes == ["auto-completed max_batch_size 64, dynamic_batching "
-                                                    "max_queue_size 256"]
+                                "max_batch_size 64"]
+    assert complete_config(minimal, None).notes == ["auto-completed max_batch_size 64"]
 
 
 def test_symbolic_dims_of_a_tensor_graph_become_variable_and_the_mask_optional():
@@ -138,7 +141,7 @@ def test_an_unreadable_graph_is_noted_and_the_load_says_the_rest(tmp_path):
     config = {"name": "broken", "max_batch_size": 8, "parameters": {"task": {"string_value": "tensor"}}}
     completion = complete_config(config, tmp_path)
     assert (completion.inputs, completion.outputs) == ([], [])
-    assert len(completion.notes) == 2  # and the queue bound it adds
+    assert len(completion.notes) == 1
     assert completion.notes[0].startswith(f"could not read the graph to complete the config: cannot load ONNX model "
                                           f"{tmp_path / 'model.onnx'}: ")
     with pytest.raises(ConfigError, match=r"^model 'broken': task 'tensor' needs the config to declare its inputs"):

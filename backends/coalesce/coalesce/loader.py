@@ -34,9 +34,6 @@ from coalesce.tasks import create_task, task_type
 BLS_DEFAULT_COST: Final = "0.003,0.000002,0"
 #: ``max_batch_size`` auto-completion gives a model that declares none (the backend needs batching).
 DEFAULT_MAX_BATCH_SIZE: Final = 64
-#: Requests Triton's dynamic batcher may hold for a model whose config bounds none: past it Triton
-#: answers UNAVAILABLE at once, so a flood cannot pile up requests (and their bodies) in the server.
-DEFAULT_MAX_QUEUE_SIZE: Final = 256
 
 
 def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str = "1",
@@ -175,8 +172,6 @@ class Completion:
     outputs: list[TensorSpec]
     max_batch_size: int | None
     notes: list[str]
-    #: ``dynamic_batching.default_queue_policy.max_queue_size`` to set, where the config bounds none.
-    max_queue_size: int | None = None
     #: The model streams (task ``generate``): decoupled, and no dynamic batching unless the config asks for it.
     decoupled: bool = False
 
@@ -211,20 +206,33 @@ def complete_config(config: Mapping[str, Any], version_dir: Path | None) -> Comp
             notes.append(f"could not read the graph to complete the config: {exc}")
     inputs, outputs = task_type(settings).complete(config, graph)
     max_batch = None if settings.max_batch_size > 0 else DEFAULT_MAX_BATCH_SIZE
-    queue_size = None if triton_queue_bounded(config) else DEFAULT_MAX_QUEUE_SIZE
-    if inputs or outputs or max_batch or queue_size:
+    if inputs or outputs or max_batch:
         notes.append("auto-completed " + ", ".join(
             [*(f"input {t.name} {t.data_type} {list(t.dims)}" for t in inputs),
              *(f"output {t.name} {t.data_type} {list(t.dims)}" for t in outputs),
-             *([f"max_batch_size {max_batch}"] if max_batch else []),
-             *([f"dynamic_batching max_queue_size {queue_size}"] if queue_size else [])]))
-    return Completion(inputs=inputs, outputs=outputs, max_batch_size=max_batch, notes=notes,
-                      max_queue_size=queue_size)
+             *([f"max_batch_size {max_batch}"] if max_batch else [])]))
+    return Completion(inputs=inputs, outputs=outputs, max_batch_size=max_batch, notes=notes)
 
 
-def triton_queue_bounded(config: Mapping[str, Any]) -> bool:
-    """Whether the config bounds Triton's queue itself, or uses a scheduler other than the dynamic batcher."""
-    if "sequence_batching" in config or "ensemble_scheduling" in config:
-        return True
-    policy = (config.get("dynamic_batching") or {}).get("default_queue_policy") or {}
-    return int(policy.get("max_queue_size", 0) or 0) > 0
+def triton_prefetch_blockers(config: Mapping[str, Any]) -> list[str]:
+    """The ``dynamic_batching`` settings that turn off the batcher's prefetching, each as ``name value``.
+
+    Triton's priority queue supports prefetching only without ``priority_levels`` and
+    with a ``default_queue_policy`` of no timeout, no timeout override and no
+    ``max_queue_size`` (core ``scheduler_utils.cc``). Without prefetching, while the
+    instance is busy the batcher waits for a slot on its condition variable under a
+    private mutex (``WaitForPayloadSlotAvailable``), so the instance's wakeup can be lost
+    and a request waits out the batcher's 500 ms timeout: Triton 2.51 does this, and so
+    does core's main branch as read on 2026-12-04.
+    """
+    batching = config.get("dynamic_batching")
+    if not isinstance(batching, Mapping):
+        return []
+    policy = batching.get("default_queue_policy") or {}
+    found = [f"{key} {policy[key]}" for key in ("max_queue_size", "default_timeout_microseconds")
+             if int(policy.get(key, 0) or 0)]
+    if str(policy.get("allow_timeout_override", "false")).lower() == "true":
+        found.append("allow_timeout_override true")
+    if int(batching.get("priority_levels", 0) or 0):
+        found.append(f"priority_levels {batching['priority_levels']}")
+    return found
