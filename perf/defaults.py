@@ -3,9 +3,9 @@
 The shipped ``model_repository/minilm/config.pbtxt`` sets three defaults; this run asks of
 each whether it holds, on this machine, in one tritonserver:
 
-1. ``max_queue_delay_microseconds: 2000`` (kept): ``shipped`` vs ``delay0`` and ``delay500``.
-   A shorter delay lets a lone client wait less; under load batches should form anyway (at 0
-   and 500 us, Triton 2.51's batcher stalled requests for its 500 ms idle wait).
+1. ``max_queue_delay_microseconds``: ``shipped`` vs each other delay of ``DELAY_CANDIDATES_US``
+   (variants ``delay<us>``). A shorter delay lets a lone client wait less; under load the
+   batches should form anyway.
 2. ``cache_bytes: 67108864`` (row cache on, 64 MiB): ``shipped`` vs ``nocache`` on
    all-distinct traffic, where the cache can only cost (the issue allows <= 5%), and on
    Zipf-repeated queries (``duplicates``), where it should gain.
@@ -51,10 +51,8 @@ from perf.report import median
 ROOT = Path(__file__).resolve().parent.parent
 MINILM = repository.MINILM
 
-#: The variants, each the shipped config with one setting changed (``shipped``: none).
-VARIANTS: Final = ("shipped", "fp32", "delay0", "delay500", "nocache")
-#: The queue-delay variants: the shipped config with ``max_queue_delay_microseconds`` set to these.
-DELAY_VARIANTS: Final = {"delay0": 0, "delay500": 500}
+#: The queue delays compared; each but the shipped one is variant ``delay<us>``.
+DELAY_CANDIDATES_US: Final = (0, 500, 2000)
 #: The variants compared with ``shipped`` on Zipf-repeated queries (the cache question only).
 DUPLICATE_VARIANTS: Final = ("shipped", "nocache")
 DELAY_LINE: Final = re.compile(r"max_queue_delay_microseconds: \d+\n")
@@ -68,6 +66,29 @@ MIN_COSINE: Final = 0.98
 MAX_WINDOWS: Final = 10
 #: Requests a point sent per window over the window's count (measured up to 1.15: 1151 for 10 windows of 100).
 WINDOW_OVERSHOOT: Final = 1.25
+
+
+def shipped_delay_us(shipped: str) -> int:
+    """The ``max_queue_delay_microseconds`` the config text sets.
+
+    Raises:
+        ValueError: If the text does not set it exactly once.
+    """
+    found = DELAY_LINE.findall(shipped)
+    if len(found) != 1:
+        raise ValueError("the shipped config does not set max_queue_delay_microseconds exactly once")
+    return int(found[0].split(":")[1])
+
+
+def delay_variants(shipped: str) -> dict[str, int]:
+    """The queue-delay variants of the shipped config text: name to delay (us), the shipped delay left out."""
+    own = shipped_delay_us(shipped)
+    return {f"delay{us}": us for us in DELAY_CANDIDATES_US if us != own}
+
+
+def variants(shipped: str) -> tuple[str, ...]:
+    """Every variant of the shipped config text, each with one setting changed (``shipped``: none)."""
+    return ("shipped", "fp32", *delay_variants(shipped), "nocache")
 
 
 def model_name(variant: str) -> str:
@@ -90,13 +111,10 @@ def variant_config(shipped: str, variant: str) -> str:
         return repository.with_parameters(config, {"precision": "fp32"})
     if variant == "nocache":
         return repository.with_parameters(config, {"cache_bytes": "0"})
-    if variant in DELAY_VARIANTS:
-        # A text replace, checked: a config without exactly one delay line must be rethought, not silently equal.
-        edited, count = DELAY_LINE.subn(f"max_queue_delay_microseconds: {DELAY_VARIANTS[variant]}\n", config)
-        if count != 1:
-            raise ValueError("the shipped config does not set max_queue_delay_microseconds exactly once")
-        return edited
-    raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
+    delays = delay_variants(shipped)
+    if variant in delays:
+        return DELAY_LINE.sub(f"max_queue_delay_microseconds: {delays[variant]}\n", config)
+    raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(variants(shipped))}")
 
 
 def parameter(config: str, key: str) -> str | None:
@@ -253,10 +271,10 @@ def question_tables(run: Mapping[str, Any]) -> list[str]:
     profiles = [p for p in run["profiles"] if p != "duplicates"]
     concurrencies = run["concurrency"]
     low, high = min(concurrencies), max(concurrencies)
-    shipped_delay = re.search(r"max_queue_delay_microseconds: (\d+)", (MINILM / "config.pbtxt").read_text())
-    shipped_us = shipped_delay.group(1) if shipped_delay else "?"
-    lines += [f"## 1. Queue delay: {shipped_us} us (shipped) vs 0 and 500 us", ""]
-    for other in (v for v in DELAY_VARIANTS if any(p["variant"] == v for p in points)):
+    delays = [v for v in run["variants"] if v.startswith("delay")]
+    lines += [f"## 1. Queue delay: {run['shipped_delay_us']} us (shipped) vs "
+              + " and ".join(f"{v[len('delay'):]} us" for v in delays), ""]
+    for other in (v for v in delays if any(p["variant"] == v for p in points)):
         lines += [f"Ratios are shipped over {other} (below 1 for latency, at or above 1 for texts/s: shipped wins).",
                   "", *pair_table(other, profiles, concurrencies)]
         for profile in profiles:
@@ -310,7 +328,8 @@ def markdown(run: Mapping[str, Any]) -> str:
              "rotated each round; values are medians over rounds, ratios medians of the same-round ratios "
              "(each round's in brackets)",
              "- variants: the shipped config (thread settings as shipped) with one change each: `fp32` "
-             "(precision fp32), `delay0` and `delay500` (max_queue_delay_microseconds 0 and 500), "
+             "(precision fp32), " + ", ".join(f"`{v}`" for v in run["variants"] if v.startswith("delay"))
+             + " (max_queue_delay_microseconds as named), "
              "`nocache` (cache_bytes 0); "
              "a variant with a row cache is reloaded before each point, so it starts empty", "",
              *question_tables(run), "## All points", "",
@@ -338,7 +357,9 @@ def plot(run: Mapping[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     points = [p for p in run["points"] if "throughput_per_s" in p]
-    questions = (("delay0", "queue delay shipped (2000 us) / 0", 1 - DELAY_MAX_THROUGHPUT_LOSS),
+    delay = min((v for v in run["variants"] if v.startswith("delay")), key=lambda v: int(v[len("delay"):]))
+    questions = ((delay, f"queue delay shipped ({run['shipped_delay_us']} us) / {delay[len('delay'):]} us",
+                  1 - DELAY_MAX_THROUGHPUT_LOSS),
                  ("nocache", "row cache on / off", 1 - CACHE_MAX_COST), ("fp32", "INT8 / FP32", INT8_MIN_SPEEDUP))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, (other, title, target) in zip(axes, questions, strict=True):
@@ -436,19 +457,21 @@ def main(argv: list[str] | None = None) -> int:
         inputs[profile] = workdir / f"{profile}.json"
         texts = workloads.generate(profile, args.count, args.seed)
         inputs[profile].write_text(json.dumps(workloads.to_input_data(texts), ensure_ascii=False))
-    configs = build_repository(workdir / "repo", VARIANTS)
+    shipped = (MINILM / "config.pbtxt").read_text()
+    all_variants = variants(shipped)
+    configs = build_repository(workdir / "repo", all_variants)
     options = ServerOptions(model_repository=workdir / "repo", host="127.0.0.1", http_port=free_port(),
                             grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                            load_models=tuple(model_name(v) for v in VARIANTS))
-    rounds_plan = plan(profiles, concurrencies, VARIANTS, args.duplicates)
+                            load_models=tuple(model_name(v) for v in all_variants))
+    rounds_plan = plan(profiles, concurrencies, all_variants, args.duplicates)
     total = args.rounds * sum(len(vs) for _, _, vs in rounds_plan)
     points: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     started = time.monotonic()
     with TritonServer(options) as server:
         for round_index in range(args.rounds):
-            for profile, concurrency, variants in rounds_plan:
-                for variant in round_order(variants, round_index):
+            for profile, concurrency, measured in rounds_plan:
+                for variant in round_order(measured, round_index):
                     point: dict[str, Any] = {"round": round_index, "variant": variant, "profile": profile,
                                              "concurrency": concurrency}
                     try:
@@ -483,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"duplicates: Zipf over 200 queries); {args.request_count} requests per window; accuracy on "
                      f"{args.accuracy_texts} texts per workload, seed {args.seed + 1}",
         "rounds": args.rounds, "profiles": served, "concurrency": concurrencies, "request_count": args.request_count,
+        "variants": list(all_variants), "shipped_delay_us": shipped_delay_us(shipped),
         "served_s": served_s, "configs": configs, "points": points, "accuracy": accuracy_rows, "failures": failures}
     run["plot"] = plot(run, args.out / f"{run_name}.png").name
     (args.out / f"{run_name}.json").write_text(json.dumps(run, indent=2) + "\n")
