@@ -17,9 +17,9 @@ Every variant is the shipped config text, renamed, with one setting changed; the
 thread settings stay (one ONNX Runtime thread, no spinning): these are the defaults as
 served, not ``perf.repository.SINGLE_MODEL_THREADS``. perf_analyzer measures every variant
 at every point back to back, in a different order each round, and the report gives medians
-over rounds and medians of same-round ratios. A variant with a row cache is reloaded before
-each point, so its cache starts empty and perf_analyzer's replay of the input data cannot
-hit; request counts are capped below the workload's distinct texts, and the cache's hit
+over rounds and medians of same-round ratios. Every variant is reloaded before each point,
+so all start equally cold and a cache starts empty (perf_analyzer's replay of the input data
+cannot hit); request counts are capped below the workload's distinct texts, and the cache's hit
 counter is read around each point to show it. Results: ``perf/results/defaults-<yyyymmdd>``
 ``.json``, ``.md`` and ``.png``.
 """
@@ -331,7 +331,7 @@ def markdown(run: Mapping[str, Any]) -> str:
              "(precision fp32), " + ", ".join(f"`{v}`" for v in run["variants"] if v.startswith("delay"))
              + " (max_queue_delay_microseconds as named), "
              "`nocache` (cache_bytes 0); "
-             "a variant with a row cache is reloaded before each point, so it starts empty", "",
+             "every variant is reloaded before each point, so caches start empty and all start equally cold", "",
              *question_tables(run), "## All points", "",
              "| round | variant | workload | N | texts/s | p50 ms | p99 ms | avg batch | requests | cache hits "
              "| windows |", "|" + " --- |" * 11]
@@ -387,12 +387,12 @@ def plot(run: Mapping[str, Any], path: Path) -> Path:
 
 def measure_point(server: TritonServer, variant: str, configs: Mapping[str, str], protocol: str, input_data: Path,
                   distinct_texts: int, concurrency: int, request_count: int, workdir: Path) -> dict[str, Any]:
-    """One perf_analyzer point of ``variant``, its cache reloaded empty first, with its hit counter around it."""
+    """One perf_analyzer point of ``variant``, reloaded first, with its cache's hit counter around it."""
     model = model_name(variant)
-    if has_cache(configs[variant]):
-        # perf_analyzer replays the input data from its first entry: a cache still holding the
-        # previous point's vectors would answer texts this point's workload never repeats.
-        repository.reload_model(server.grpc_url, model)
+    # perf_analyzer replays the input data from its first entry: a cache still holding the
+    # previous point's vectors would answer texts this point's workload never repeats. Every
+    # variant is reloaded, with a cache or not, so that each point starts equally cold.
+    repository.reload_model(server.grpc_url, model)
     windows = max_windows(distinct_texts, request_count, concurrency)
     before = cache_counters(server, model)
     url = server.grpc_url if protocol == "grpc" else server.http_url

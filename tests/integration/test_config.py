@@ -49,13 +49,13 @@ def test_reload_with_config_override(scratch_model, http_client, grpc_client):
     scratch_model("retuned")
     http_client.load_model("retuned")
     config = http_client.get_model_config("retuned")
-    config["dynamic_batching"]["max_queue_delay_microseconds"] = 500
+    config["dynamic_batching"]["max_queue_delay_microseconds"] = 1500
     config["parameters"]["max_batch_rows"] = {"string_value": "16"}
     import json
 
     http_client.load_model("retuned", config=json.dumps(config))
     after = http_client.get_model_config("retuned")
-    assert int(after["dynamic_batching"]["max_queue_delay_microseconds"]) == 500
+    assert int(after["dynamic_batching"]["max_queue_delay_microseconds"]) == 1500
     assert after["parameters"]["max_batch_rows"]["string_value"] == "16"
     assert grpc_client.is_model_ready("retuned")
     # Regression: with custom metrics, Triton 2.51 corrupted its heap when the old instance of a
