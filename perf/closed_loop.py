@@ -91,6 +91,11 @@ class LoadResult:
                 "p99_ms": self.latency_ms(0.99), "error_kinds": self.error_kinds()}
 
 
+def kserve_text(text: str) -> dict[str, Any]:
+    """The KServe v2 (Triton HTTP) request body of one text as input ``TEXT``, one row."""
+    return {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
+
+
 def encode_bodies(texts: Sequence[str], payload: Callable[[str], Any]) -> list[bytes]:
     """The JSON request body of each text, encoded once."""
     return [json.dumps(payload(t), ensure_ascii=False).encode("utf-8") for t in texts]

@@ -19,19 +19,13 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Final
 
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from perf import closed_loop, limits, peers, repository, workloads
 from perf.report import median
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
-
-
-def _body(text: str) -> dict[str, Any]:
-    return {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
 
 
 def markdown(run: dict[str, Any]) -> str:
@@ -47,8 +41,9 @@ def markdown(run: dict[str, Any]) -> str:
     for name in ("one text, cached", "distinct"):
         for concurrency in run["concurrencies"]:
             points = [p for p in run["points"] if p["workload"] == name and p["concurrency"] == concurrency]
-            lines.append(f"| {name} | {concurrency} | {median([p['texts_per_s'] for p in points]):.1f} | "
-                         f"{median([p['p50_ms'] for p in points]):.2f} | {median([p['p99_ms'] for p in points]):.2f} |")
+            lines.append(f"| {name} | {concurrency} | {median([p['throughput_per_s'] for p in points]):.1f} | "
+                         f"{median([p['p50_ms'] for p in points if p['p50_ms'] is not None]):.2f} | "
+                         f"{median([p['p99_ms'] for p in points if p['p99_ms'] is not None]):.2f} |")
     bare, limit16 = run["bare"], run["limit_at_16_texts_per_s"]
     lines += ["", f"In process, the same distinct texts: bare one at a time p50 {bare['p50_ms']:.2f} ms "
               f"(mean {bare['mean_ms']:.2f}); limit@16 {limit16:.1f} texts/s.", ""]
@@ -64,30 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     texts = workloads.generate("queries", 2000, 0)
     # workload: (model, bodies)
-    workload_bodies = {"one text, cached": ("cached", closed_loop.encode_bodies(texts[:1], _body)),
-                       "distinct": ("nocache", closed_loop.encode_bodies(texts, _body))}
-    folder = Path(tempfile.mkdtemp(prefix="coalesce-floor-"))
+    workload_bodies = {"one text, cached": ("cached", closed_loop.encode_bodies(texts[:1], closed_loop.kserve_text)),
+                       "distinct": ("nocache", closed_loop.encode_bodies(texts, closed_loop.kserve_text))}
     shipped = repository.single_model_config()
     configs = {"cached": shipped, "nocache": repository.with_parameters(shipped, {"cache_bytes": "0"})}
-    for name, config in configs.items():
-        repository.add_model(folder, name, repository.renamed(config, name))
-    options = ServerOptions(model_repository=folder, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                            metrics_port=free_port(), model_control="explicit", load_models=tuple(configs))
     concurrencies = (1, 16)
     points: list[dict[str, Any]] = []
-    with TritonServer(options) as server:
+    with repository.serve(configs, prefix="coalesce-floor-") as server:
         for round_index in range(args.rounds):
             for name, (model, bodies) in workload_bodies.items():
                 for concurrency in concurrencies:
                     result = closed_loop.closed_loop(f"http://{server.http_url}/v2/models/{model}/infer", bodies,
                                                      concurrency, duration_s=args.duration_s, warmup_s=1.0)
-                    point = {"round": round_index, "workload": name, "concurrency": concurrency,
-                             "texts_per_s": result.throughput_per_s, "p50_ms": result.latency_ms(0.5) or 0.0,
-                             "p99_ms": result.latency_ms(0.99) or 0.0, "errors": result.errors}
+                    point = {"round": round_index, "workload": name, **result.summary()}
                     points.append(point)
-                    sys.stdout.write(f"round {round_index} {name} c={concurrency}: {point['texts_per_s']:.1f} "
-                                     f"texts/s, p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
-                                     f"{point['errors']} errors\n")
+                    sys.stdout.write(f"round {round_index} {name} c={concurrency}: {point['throughput_per_s']:.1f} "
+                                     f"texts/s, p50 {point['p50_ms'] or 0:.2f} ms, p99 {point['p99_ms'] or 0:.2f} "
+                                     f"ms, {point['errors']} errors\n")
                     sys.stdout.flush()
     # In process after the server is gone, so that nothing else runs beside it.
     pipeline = limits.make_pipeline(repository.MINILM / "1")

@@ -19,11 +19,9 @@ import os
 import platform
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Final
 
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from perf import closed_loop, repository, workloads
 from perf.report import median
 
@@ -58,14 +56,16 @@ def markdown(run: dict[str, Any]) -> str:
             points = [p for p in run["points"] if p["variant"] == name and p["concurrency"] == concurrency]
             stalled = sum(p["stalled"] for p in points)
             total = sum(p["successes"] for p in points)
-            lines.append(f"| {name} | {concurrency} | {median([p['texts_per_s'] for p in points]):.1f} | "
-                         f"{median([p['p50_ms'] for p in points]):.1f} | {median([p['p99_ms'] for p in points]):.1f} "
+            lines.append(f"| {name} | {concurrency} | {median([p['throughput_per_s'] for p in points]):.1f} | "
+                         f"{median([p['p50_ms'] for p in points if p['p50_ms'] is not None]):.1f} | "
+                         f"{median([p['p99_ms'] for p in points if p['p99_ms'] is not None]):.1f} "
                          f"| {stalled} of {total} |")
     lines += ["", "Every point:", "",
               "| round | variant | concurrency | texts/s | p50 ms | p99 ms | stalled | errors |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {p['round']} | {p['variant']} | {p['concurrency']} | {p['texts_per_s']:.1f} | {p['p50_ms']:.1f} | "
-              f"{p['p99_ms']:.1f} | {p['stalled']} | {p['errors']} |" for p in run["points"]]
+    lines += [f"| {p['round']} | {p['variant']} | {p['concurrency']} | {p['throughput_per_s']:.1f} | "
+              f"{p['p50_ms'] or 0:.1f} | {p['p99_ms'] or 0:.1f} | {p['stalled']} | {p['errors']} |"
+              for p in run["points"]]
     return "\n".join(lines) + "\n"
 
 
@@ -76,33 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=5.0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="coalesce-policy-"))
     configs = variants()
-    for name, config in configs.items():
-        repository.add_model(folder, name, repository.renamed(config, name))
-    bodies = closed_loop.encode_bodies(
-        workloads.generate("queries", 2000, 3),
-        lambda text: {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]})
-    options = ServerOptions(model_repository=folder, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                            metrics_port=free_port(), model_control="explicit", load_models=tuple(configs))
+    bodies = closed_loop.encode_bodies(workloads.generate("queries", 2000, 3), closed_loop.kserve_text)
     concurrencies = (1, 16)
     points: list[dict[str, Any]] = []
-    with TritonServer(options) as server:
+    with repository.serve(configs, prefix="coalesce-policy-") as server:
         for round_index in range(args.rounds):
             for concurrency in concurrencies:
                 order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
                 for name in order:
                     result = closed_loop.closed_loop(f"http://{server.http_url}/v2/models/{name}/infer", bodies,
                                                      concurrency, duration_s=args.duration_s, warmup_s=1.0)
-                    point = {"round": round_index, "variant": name, "concurrency": concurrency,
-                             "texts_per_s": result.throughput_per_s, "p50_ms": result.latency_ms(0.5) or 0.0,
-                             "p99_ms": result.latency_ms(0.99) or 0.0, "successes": result.successes,
-                             "errors": result.errors,
+                    point = {"round": round_index, "variant": name, **result.summary(),
+                             "successes": result.successes,
                              "stalled": sum(1 for s in result.samples if s.ok and s.latency_s * 1e3 >= STALL_MS)}
                     points.append(point)
-                    sys.stdout.write(f"round {round_index} {name:8s} c={concurrency:2d}: {point['texts_per_s']:6.1f} "
-                                     f"texts/s, p50 {point['p50_ms']:6.1f} ms, p99 {point['p99_ms']:6.1f} ms, "
-                                     f"{point['stalled']} of {point['successes']} stalled, {point['errors']} errors\n")
+                    sys.stdout.write(f"round {round_index} {name:8s} c={concurrency:2d}: "
+                                     f"{point['throughput_per_s']:6.1f} texts/s, p50 {point['p50_ms'] or 0:6.1f} ms, "
+                                     f"p99 {point['p99_ms'] or 0:6.1f} ms, {point['stalled']} of "
+                                     f"{point['successes']} stalled, {point['errors']} errors\n")
                     sys.stdout.flush()
     today = datetime.date.today().strftime("%Y%m%d")
     run = {"date": today, "command": "python -m perf.probe_queue_policy " + " ".join(argv or sys.argv[1:]),

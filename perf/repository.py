@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import re
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
+
+from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The shipped model, whose version folder every perf-lab model links.
@@ -78,3 +82,17 @@ def reload_model(grpc_url: str, model: str, timeout_s: float = 120.0) -> None:
         client.load_model(model)
     finally:
         client.close()
+
+
+def serve(configs: Mapping[str, str], prefix: str = "coalesce-perf-") -> TritonServer:
+    """A tritonserver, not yet started, on a new repository holding ``configs`` (model name to config text).
+
+    Each config is renamed to its model name and linked to the shipped weights; all are loaded
+    at start; ports are free ones on 127.0.0.1.
+    """
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    for name, config in configs.items():
+        add_model(folder, name, renamed(config, name))
+    return TritonServer(ServerOptions(model_repository=folder, host="127.0.0.1", http_port=free_port(),
+                                      grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
+                                      load_models=tuple(configs)))

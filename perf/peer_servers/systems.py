@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
-from perf import repository
+from perf import closed_loop, repository
 from perf.baselines.pytriton.server import MODEL_NAME as PYTRITON_MODEL
 from perf.baselines.pytriton.server import BaselineServer
 from perf.peer_servers.process import PeerProcess
@@ -66,10 +66,6 @@ class Endpoint:
     vector: Callable[[Any], list[float]]
 
 
-def _kserve_payload(text: str) -> dict[str, Any]:
-    return {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
-
-
 def _kserve_vector(answer: Any) -> list[float]:
     return [float(v) for v in answer["outputs"][0]["data"]]
 
@@ -92,7 +88,7 @@ def _ray_vector(answer: Any) -> list[float]:
 
 def kserve_endpoint(system: str, http_url: str, model: str) -> Endpoint:
     """Triton's KServe v2 JSON: ``TEXT`` BYTES [1, 1] in, the first output's data out."""
-    return Endpoint(system, f"http://{http_url}/v2/models/{model}/infer", _kserve_payload, _kserve_vector)
+    return Endpoint(system, f"http://{http_url}/v2/models/{model}/infer", closed_loop.kserve_text, _kserve_vector)
 
 
 def answers(endpoint: Endpoint, text: str = "ready?", timeout_s: float = 10.0) -> bool:
