@@ -317,6 +317,9 @@ class TritonServer:
             f"--model-control-mode={'poll' if o.model_control == 'poll' else 'explicit'}",
             f"--log-verbose={o.log_verbose}",
             f"--exit-timeout-secs={o.exit_timeout_s}",
+            # Per-model latency quantiles (nv_inference_*_summary_us): the dashboard's p50/p99
+            # (scripts/deploy/grafana); Triton's other latency metrics are totals only.
+            "--metrics-config=summary_latencies=true",
         ]
         if self._admin_key:
             restricted = ",".join(ADMIN_APIS) + f":{ADMIN_HEADER}={self._admin_key}"
