@@ -8,6 +8,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import promql_parser
+import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
@@ -48,6 +50,16 @@ def test_the_dashboard_shows_each_topic_per_model():
         for target in panel["targets"]:
             assert 'model=~"$model"' in target["expr"], (panel["title"], target["expr"])
             assert "{{model}}" in target["legendFormat"], (panel["title"], target["legendFormat"])
+
+
+def test_every_query_is_valid_promql():
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel["targets"]:
+            # Grafana's variables, as Grafana substitutes them before Prometheus sees the query.
+            query = target["expr"].replace("$__rate_interval", "1m").replace("$model", ".*")
+            promql_parser.parse(query)  # raises ValueError naming what is wrong
+    with pytest.raises(ValueError, match="unclosed left parenthesis"):
+        promql_parser.parse("sum(rate(coalesce_rows_total[1m])")
 
 
 def test_the_scrape_config_reads_the_servers_metrics_port():
