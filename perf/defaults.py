@@ -110,7 +110,7 @@ def variant_config(shipped: str, variant: str) -> str:
     if variant == "fp32":
         return repository.with_parameters(config, {"precision": "fp32"})
     if variant == "nocache":
-        return repository.with_parameters(config, {"cache_bytes": "0"})
+        return repository.with_parameters(config, repository.NO_CACHE)
     delays = delay_variants(shipped)
     if variant in delays:
         return DELAY_LINE.sub(f"max_queue_delay_microseconds: {delays[variant]}\n", config)

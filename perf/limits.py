@@ -19,13 +19,9 @@ from coalesce.batching.pipeline import Pipeline
 from coalesce.core.task import Prepared
 from coalesce.loader import load_pipeline
 from coalesce_tools.config import read_model_config, with_parameters
-from perf.repository import SINGLE_MODEL_THREADS
+from perf.repository import NO_CACHE, SINGLE_MODEL_THREADS
 
 FIXED_BATCH_SIZES = (8, 16, 32, 64)
-
-
-#: Ceilings measure compute: no row cache, whatever the model's config sets (texts repeat across rounds).
-NO_CACHE = {"cache_bytes": "0"}
 
 
 def make_pipeline(version_dir: Path, **parameters: str) -> Pipeline:

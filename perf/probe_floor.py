@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     workload_bodies = {"one text, cached": ("cached", closed_loop.encode_bodies(texts[:1], closed_loop.kserve_text)),
                        "distinct": ("nocache", closed_loop.encode_bodies(texts, closed_loop.kserve_text))}
     shipped = repository.single_model_config()
-    configs = {"cached": shipped, "nocache": repository.with_parameters(shipped, {"cache_bytes": "0"})}
+    configs = {"cached": shipped, "nocache": repository.with_parameters(shipped, repository.NO_CACHE)}
     concurrencies = (1, 16)
     points: list[dict[str, Any]] = []
     with repository.serve(configs, prefix="coalesce-floor-") as server:

@@ -33,7 +33,7 @@ RESULTS: Final = Path(__file__).resolve().parent / "results"
 
 def variants() -> dict[str, str]:
     """The shipped config (every core, no row cache) as shipped and with a queue policy added."""
-    base = repository.with_parameters(repository.single_model_config(), {"cache_bytes": "0"})
+    base = repository.with_parameters(repository.single_model_config(), repository.NO_CACHE)
     if re.search(r"^\s*default_queue_policy", base, flags=re.M):
         raise ValueError("the shipped config sets a default_queue_policy already")
     policy, count = re.subn(r"(max_queue_delay_microseconds: \d+)", rf"\1\n  {POLICY}", base)

@@ -36,6 +36,9 @@ def add_model(repository: Path, name: str, config: str, *, version_dir: Path = M
 #: The example repository gives each model one thread, for four models sharing two cores
 #: (perf/results/neighbours-*); the single-model benchmarks measure one model at a time.
 SINGLE_MODEL_THREADS: Final = {"intra_op_threads": "0", "thread_spinning": "true"}
+#: The row cache off: for measuring compute, or serving traffic that cycles through a workload's texts
+#: (a cache would answer repeats that all-distinct traffic does not have).
+NO_CACHE: Final = {"cache_bytes": "0"}
 
 
 def with_parameters(config: str, parameters: dict[str, str]) -> str:

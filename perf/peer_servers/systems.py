@@ -45,8 +45,6 @@ SHIPPED_INT8: Final = MINILM / "1" / "model.int8.onnx"
 
 #: Triton model name of each Triton-protocol system.
 TRITON_MODELS: Final = {"coalesce": "minilm", "coalesce-fp32": "minilm_fp32", "naive": "naive"}
-#: The row cache off for the measured Coalesce systems (see ``triton_repository``).
-NO_CACHE: Final = {"cache_bytes": "0"}
 INFINITY_ENGINES: Final = {"infinity-torch": "torch", "infinity-optimum": "optimum",
                            "infinity-optimum-int8": "optimum"}
 SYSTEMS: Final = (*TRITON_MODELS, "pytriton", *INFINITY_ENGINES, "rayserve")
@@ -131,9 +129,9 @@ def triton_repository(dest: Path, systems: list[str]) -> Path:
 
     ``coalesce`` is ``repository.single_model_config()`` (the shipped ``config.pbtxt``, every core),
     so changes to the shipped config flow through; ``coalesce-fp32`` is the same with ``precision fp32``.
-    Both without the row cache (``NO_CACHE``): the load generator cycles through the workload's
-    texts, so a cache would answer repeats that all-distinct traffic does not have (its cost on
-    distinct traffic is measured by ``perf.defaults``).
+    Both without the row cache (``repository.NO_CACHE``): the load generator cycles through the
+    workload's texts, so a cache would answer repeats that all-distinct traffic does not have (its
+    cost on distinct traffic is measured by ``perf.defaults``).
     """
     for system in systems:
         name = TRITON_MODELS[system]
@@ -141,7 +139,8 @@ def triton_repository(dest: Path, systems: list[str]) -> Path:
             model = repository.add_model(dest, name, (NAIVE / "config.pbtxt").read_text())
             shutil.copy(NAIVE / "model.py", model / "1" / "model.py")
             continue
-        config = repository.with_parameters(repository.renamed(repository.single_model_config(), name), NO_CACHE)
+        config = repository.with_parameters(repository.renamed(repository.single_model_config(), name),
+                                            repository.NO_CACHE)
         if system == "coalesce-fp32":
             config = repository.with_parameters(config, {"precision": "fp32"})
         repository.add_model(dest, name, config)
