@@ -40,7 +40,8 @@ for arg in "$@"; do
 done
 # The shared row-cache tier: the tests and `coalesce serve` start their own redis-server.
 # perf_analyzer (coalesce tune, its integration test, the benchmarks) links Debian's libb64-0d.
-ensure_apt redis-server libb64-0d
+# haproxy: the load balancer of `coalesce cluster` (make cluster), HTTP and gRPC in front of the replicas.
+ensure_apt redis-server libb64-0d haproxy
 
 # 1. Python with venv and a shared libpython (the Triton Python-backend stub links it).
 pyver=$($PYTHON -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
