@@ -70,10 +70,11 @@ def test_the_scrape_config_reads_the_servers_metrics_port():
     assert targets == [f"localhost:{ServerOptions(model_repository=Path('.')).metrics_port}"]
 
 
-def test_every_dashboard_query_names_a_metric_the_server_exports(server, scratch_model, http_client):
-    # An adaptive model with a rate-limited tenant, so that the backend's queue and per-tenant
-    # refusal metrics exist (they are created when first used).
-    name = "dash_adaptive"
+def exercise_adaptive_model(server, scratch_model, http_client, name: str) -> None:
+    """Load an adaptive model with a rate-limited tenant and have that tenant refused; call minilm once.
+
+    The backend's queue and per-tenant refusal metrics exist only once used.
+    """
     scratch_model(name, replace=adaptive_config(target_p99_ms="60000", tenant_max_rows_per_s="slow:1",
                                                 max_dispatch_rows="1"))
     http_client.load_model(name)
@@ -87,13 +88,22 @@ def test_every_dashboard_query_names_a_metric_the_server_exports(server, scratch
             refused += 1
     assert refused, "the slow tenant was never refused"
     client.infer("minilm", [text_input(["a text for the shipped model"])])
-    wanted = set().union(*dashboard_metrics(json.loads(DASHBOARD.read_text())).values())
-    deadline = time.monotonic() + 30  # the backend sends its metrics to Triton every 100 ms
+
+
+def missing_samples(metrics_url: str, wanted: set[str], timeout_s: float = 30.0) -> set[str]:
+    """The names of ``wanted`` not on the metrics page within ``timeout_s`` (the backend sends every 100 ms)."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        missing = wanted - exported_samples(server.metrics_url)
+        missing = wanted - exported_samples(metrics_url)
         if not missing or time.monotonic() > deadline:
-            break
+            return missing
         time.sleep(0.2)
+
+
+def test_every_dashboard_query_names_a_metric_the_server_exports(server, scratch_model, http_client):
+    exercise_adaptive_model(server, scratch_model, http_client, "dash_adaptive")
+    wanted = set().union(*dashboard_metrics(json.loads(DASHBOARD.read_text())).values())
+    missing = missing_samples(server.metrics_url, wanted)
     assert not missing, f"the dashboard names metrics the server does not export: {sorted(missing)}"
     assert {"nv_inference_request_summary_us", "coalesce_tenant_rejections_total",
             "coalesce_queue_wait_seconds_bucket"} <= wanted
