@@ -1,8 +1,9 @@
-"""The ``coalesce`` command: ``serve``, ``prepare``, ``export``, ``settings``, ``tune`` and ``build-engine``."""
+"""The ``coalesce`` command: serve, cluster, prepare, export, settings, tune and build-engine."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -88,6 +89,78 @@ def _run(server: TritonServer, options: ServerOptions, redis_servers: list[Redis
     return 0 if code in (0, -signal.SIGINT) else code
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port (0 where the option says it means a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside 0..65535")
+    return value
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from coalesce_tools.cluster import BalancerOptions, Cluster, ClusterOptions
+
+    def say(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    try:
+        balancer = BalancerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                                   stats_port=args.stats_port)
+        options = ClusterOptions(model_repository=args.model_repository, replicas=args.replicas, balancer=balancer,
+                                 replica_port_base=args.replica_port_base, redis_port=args.redis_port,
+                                 load_models=tuple(args.load_model or ()), restart=not args.no_restart)
+    except LaunchError as exc:
+        sys.stderr.write(f"coalesce cluster: {exc}\n")
+        return 2
+    cluster = Cluster(options, echo=None if args.quiet else sys.stderr, log=say)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        # The first signal stops everything cleanly (the main thread does it); a second kills it all at once.
+        if stopping.is_set():
+            cluster.kill()
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    say(f"coalesce cluster: starting {options.replicas} replica(s) of {options.model_repository}, "
+        "a redis-server and haproxy")
+    try:
+        cluster.start()
+    except LaunchError as exc:
+        sys.stderr.write(f"coalesce cluster: {exc}\n")
+        return 1
+    code = 0
+    try:
+        assert cluster.balancer is not None and cluster.redis is not None
+        b = cluster.balancer
+        replicas = "".join(
+            f"  {r.name:<4} HTTP {r.http_url}  gRPC {r.grpc_url}  metrics {r.metrics_url}  "
+            f"health http://127.0.0.1:{r.ports.health}/ready\n" for r in cluster.replicas)
+        sys.stdout.write(
+            f"\nCluster is ready: {len(cluster.replicas)} tritonserver replicas behind haproxy.\n"
+            f"  HTTP     http://{b.http_url}   (balanced)\n  gRPC     {b.grpc_url}   (balanced)\n"
+            f"  stats    {b.stats_url}   (Prometheus: /metrics)\n"
+            f"  Redis    {cluster.redis.url}   (password in {cluster.redis_password_file})\n"
+            f"Replicas:\n{replicas}\nCtrl-C stops the cluster.\n")
+        sys.stdout.flush()
+        while not stopping.wait(1.0):
+            if not cluster.alive:
+                assert cluster.balancer is not None
+                say(f"coalesce cluster: haproxy exited with code {cluster.balancer.returncode}; stopping:\n"
+                    f"{cluster.balancer.log_tail()}")
+                code = 1
+                break
+    finally:
+        say("coalesce cluster: stopping (haproxy, then each replica after its requests, then redis-server)")
+        cluster.stop()
+    return code
+
+
 def _models(repository: Path) -> list[tuple[str, str]]:
     """(name, task) of each coalesce model of the repository."""
     from coalesce_tools.config import ConfigReadError, coalesce_models, parameter
@@ -145,6 +218,28 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--load-model", action="append", help="model to load at start (repeatable; default: all)")
     serve.add_argument("--quiet", action="store_true", help="do not echo the server log")
     serve.set_defaults(func=_serve)
+    env = os.environ.get
+    cluster = sub.add_parser(
+        "cluster", help="N tritonserver replicas of a repository, one shared Redis, haproxy in front (HTTP, gRPC)",
+        description="Starts a redis-server (with a password) for the shared row-cache tier, N replicas serving a "
+                    "copy of the repository whose row-task models use it, and haproxy balancing HTTP and gRPC "
+                    "over them with health checks and retries; a replica that exits is started again. Runs "
+                    "until Ctrl-C or SIGTERM, then stops everything. Replica i listens on "
+                    "REPLICA_PORT_BASE + 10 i (HTTP), +1 (gRPC), +2 (metrics), +3 (health).")
+    cluster.add_argument("--replicas", type=int, default=2, help="tritonserver replicas (default 2)")
+    cluster.add_argument("--model-repository", type=Path, default=Path("model_repository"))
+    cluster.add_argument("--load-model", action="append", help="model to serve (repeatable; default: all)")
+    cluster.add_argument("--host", default=env("HOST", "127.0.0.1"), help="address the balancer binds")
+    cluster.add_argument("--http-port", type=_port, default=env("HTTP_PORT", "8000"), help="balanced HTTP")
+    cluster.add_argument("--grpc-port", type=_port, default=env("GRPC_PORT", "8001"), help="balanced gRPC")
+    cluster.add_argument("--stats-port", type=_port, default=env("STATS_PORT", "8404"),
+                         help="haproxy's statistics (/stats) and Prometheus metrics (/metrics)")
+    cluster.add_argument("--replica-port-base", type=_port, default=env("REPLICA_PORT_BASE", "8100"),
+                         help="first port of replica 0 (0: free ports)")
+    cluster.add_argument("--redis-port", type=_port, default=env("REDIS_PORT", "0"), help="0: a free port")
+    cluster.add_argument("--no-restart", action="store_true", help="leave a replica that exits stopped")
+    cluster.add_argument("--quiet", action="store_true", help="do not echo the replicas' and haproxy's logs")
+    cluster.set_defaults(func=_cluster)
     export = sub.add_parser("export", help="export a Hugging Face folder (or an example model's recipe) to ONNX",
                             add_help=False)
     export.set_defaults(func=None)

@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Final
 
@@ -190,6 +190,9 @@ class ServerOptions:
     #: resources and priorities of the models' instance groups.
     rate_limit: str = "off"
     extra_args: tuple[str, ...] = ()
+    #: Variables set in the server's environment over this process's own (the stubs inherit them): how a
+    #: launcher hands each server the shared tier's secrets without changing its own environment.
+    environment: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, hash=False)
     ready_timeout_s: float = 180.0
     #: Seconds Triton waits for in-flight requests when asked to stop (``--exit-timeout-secs``).
     exit_timeout_s: int = 15
@@ -338,7 +341,7 @@ class TritonServer:
 
     def environment(self) -> dict[str, str]:
         """Environment of the server: our Python first on PATH, its libpython first on the library path."""
-        env = dict(os.environ)
+        env = {**os.environ, **self.options.environment}
         env["LD_LIBRARY_PATH"] = library_path(*self.install.lib_dirs)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         # Models load their weights from the repository, never from a hub.

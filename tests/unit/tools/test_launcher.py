@@ -129,3 +129,15 @@ def test_grpc_tls_flags(monkeypatch, tmp_path):
     monkeypatch.setenv("GRPC_TLS_CA", str(tmp_path / "ca.pem"))
     command = TritonServer(options_from_env(Path("repo")), install=find_triton()).command()
     assert {"--grpc-use-ssl-mutual=true", f"--grpc-root-cert={tmp_path / 'ca.pem'}"} <= set(command)
+
+
+def test_the_environment_option_reaches_the_server_and_stays_out_of_repr(monkeypatch):
+    monkeypatch.setenv("COALESCE_REDIS_PASSWORD_FILE", "/from/this/process")
+    options = ServerOptions(model_repository=Path("repo"),
+                            environment={"COALESCE_REDIS_PASSWORD_FILE": "/run/cluster/redis-password"})
+    env = TritonServer(options, install=find_triton()).environment()
+    assert env["COALESCE_REDIS_PASSWORD_FILE"] == "/run/cluster/redis-password"  # the option wins
+    assert "LD_LIBRARY_PATH" in env
+    assert "redis-password" not in repr(options)
+    assert "COALESCE_REDIS_PASSWORD_FILE" not in TritonServer(ServerOptions(model_repository=Path("repo")),
+                                                              install=find_triton()).options.environment
