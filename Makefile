@@ -16,8 +16,11 @@ EVAL_ARGS ?=
 TUNE_PROFILE ?= queries
 SOAK_S ?= 600
 SOAK_ARGS ?=
+# Replicas of `make cluster`; CLUSTER_ARGS: more `coalesce cluster` options (--stats-port, --replica-port-base...).
+REPLICAS ?= 2
+CLUSTER_ARGS ?=
 
-.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood
+.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood cluster cluster-test
 
 setup:                 ## venv with .[serve,export,generate], OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -27,6 +30,13 @@ setup-dev:             ## setup, plus the test, lint and perf tool chain (.[dev]
 
 serve: setup           ## start Triton on $(MODEL_REPOSITORY) (HOST, *_PORT, MODEL_CONTROL, COALESCE_ADMIN_KEY, GRPC_TLS_*, RESPONSE_CACHE_BYTES, RATE_LIMIT)
 	$(BIN)/coalesce serve --model-repository "$(MODEL_REPOSITORY)"
+
+cluster: setup         ## REPLICAS (2) tritonservers on $(MODEL_REPOSITORY), one shared Redis, haproxy in front (HTTP_PORT, GRPC_PORT, HOST; Ctrl-C stops all)
+	$(BIN)/coalesce cluster --replicas $(REPLICAS) --model-repository "$(MODEL_REPOSITORY)" $(CLUSTER_ARGS)
+
+cluster-test:          ## 2 replicas behind haproxy under traffic, one killed mid-run, a late one warm from Redis; writes perf/results/cluster-<date>.md
+	@bash scripts/setup.sh --dev
+	COALESCE_CLUSTER=1 CLUSTER_REPORT=perf/results/cluster-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_cluster.py
 
 test: setup-dev lint   ## lint, then unit and integration tests (a real tritonserver)
 	$(BIN)/pytest $(PYTEST_ARGS) tests perf/tests
