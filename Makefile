@@ -16,11 +16,12 @@ EVAL_ARGS ?=
 TUNE_PROFILE ?= queries
 SOAK_S ?= 600
 SOAK_ARGS ?=
+CAPACITY_ARGS ?=
 # Replicas of `make cluster`; CLUSTER_ARGS: more `coalesce cluster` options (--stats-port, --replica-port-base...).
 REPLICAS ?= 2
 CLUSTER_ARGS ?=
 
-.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood cluster cluster-test
+.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood cluster cluster-test capacity
 
 setup:                 ## venv with .[serve,export,generate], OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -73,6 +74,10 @@ soak:                  ## SOAK_S seconds (600) of mixed load, bad inputs, Redis 
 flood:                 ## 64 threads of 1 MiB rows at minilm for FLOOD_SECONDS (60): RSS bounded, canaries answered; writes perf/results/flood-<date>.md
 	@bash scripts/setup.sh --dev
 	COALESCE_FLOOD=1 FLOOD_REPORT=perf/results/flood-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_flood.py
+
+capacity:              ## replicas for a load and p99 on paper, from committed results (CAPACITY_ARGS: --rows-per-s, --p99-ms, --repeat-rates); writes perf/results/capacity-*
+	@bash scripts/setup.sh --dev
+	$(BIN)/python -m perf.capacity $(CAPACITY_ARGS)
 
 load:                  ## Locust, headless: steady/poisson/burst/ramp over gRPC and HTTP; writes perf/results/load-*
 	@bash scripts/setup.sh --dev

@@ -1,0 +1,65 @@
+"""The capacity model's arithmetic and its reading of committed results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from perf import capacity
+
+
+def peers_run(points):
+    return {"machine": "test", "points": [
+        {"system": system, "profile": profile, "concurrency": c, "round": r, "throughput_per_s": t, "p99_ms": p,
+         "errors": 0}
+        for system, profile, c, r, t, p in points]}
+
+
+def test_the_best_measured_point_that_meets_the_p99_is_the_capacity():
+    run = peers_run([("coalesce", "q", 1, 0, 100, 10), ("coalesce", "q", 1, 1, 120, 12),
+                     ("coalesce", "q", 16, 0, 300, 80), ("coalesce", "q", 16, 1, 320, 90),
+                     ("coalesce", "q", 64, 0, 310, 260), ("other", "q", 16, 0, 900, 5)])
+    points = capacity.measured_points(run)
+    assert [(p.concurrency, p.rows_per_s, p.p99_ms) for p in points] == [(1, 110, 11), (16, 310, 85), (64, 310, 260)]
+    assert capacity.capacity_at(points, "q", 100).concurrency == 16
+    assert capacity.capacity_at(points, "q", 50).concurrency == 1
+    assert capacity.capacity_at(points, "q", 5) is None
+
+
+def test_replicas_round_up_at_the_headroom():
+    assert capacity.replicas_needed(1000, 250, 1.0) == 4
+    assert capacity.replicas_needed(1000, 250, 0.8) == 5
+    assert capacity.replicas_needed(1, 250, 0.8) == 1
+    with pytest.raises(ValueError, match="headroom"):
+        capacity.replicas_needed(1000, 250, 0)
+
+
+def test_the_shared_tier_saves_what_hits_cost_less():
+    assert capacity.cost_per_row(0.0, 250, 4000) == 1.0
+    assert capacity.cost_per_row(0.5, 250, 4000) == pytest.approx(0.5 + 0.5 / 16)
+    with_tier = capacity.replicas_with_repeats(2000, 250, 1.0, 0.5, 250, 4000, shared_tier=True)
+    without = capacity.replicas_with_repeats(2000, 250, 1.0, 0.5, 250, 4000, shared_tier=False)
+    assert with_tier == 5  # 2000 * 0.53125 / 250 = 4.25
+    # without the tier: 8 replicas find 0.5/8 of rows; 2000 * (1 - 0.0625 * 15/16) / 250 = 7.53 -> 8
+    assert without == 8
+    assert capacity.replicas_with_repeats(2000, 250, 1.0, 0.0, 250, 4000, shared_tier=True) == 8
+
+
+def test_a_plan_from_the_committed_results_reads_and_reports(tmp_path):
+    peers = json.loads(capacity.latest("peers-*.json").read_text())
+    shared = json.loads(capacity.latest("shared-*.json").read_text())
+    run = capacity.plan(peers, shared, rows_per_s=2000, p99_ms=100, headroom=0.8, repeat_rates=[0, 0.5],
+                        profiles=["queries"])
+    [entry] = run["profiles"]
+    assert entry["meets_p99"] and entry["per_replica"]["p99_ms"] <= 100
+    assert entry["repeats"][0]["with_tier"] == entry["repeats"][0]["without_tier"] == entry["replicas"]
+    assert entry["repeats"][1]["with_tier"] < entry["repeats"][1]["without_tier"]
+    text = capacity.markdown({"run": "t", "command": "c", "sources": {"peers": "p", "peers_machine": "m",
+                                                                       "shared": "s"}, **run})
+    assert f"Replicas for 2000 rows/s at p99 <= 100 ms: {entry['replicas']}" in text
+
+
+def test_bad_arguments_are_refused_with_a_message(capsys):
+    assert capacity.main(["--headroom", "1.5", "--run", "never"]) == 2
+    assert "headroom" in capsys.readouterr().err
