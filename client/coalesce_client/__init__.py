@@ -3,6 +3,7 @@
 from coalesce_client.client import AsyncEmbeddingClient, EmbeddingClient, TlsOptions
 from coalesce_client.errors import (
     AccessDeniedError,
+    BatchJobError,
     ClientError,
     InvalidInputError,
     ModelNotFoundError,
@@ -16,6 +17,7 @@ from coalesce_client.retry import RetryPolicy
 __all__ = [
     "AccessDeniedError",
     "AsyncEmbeddingClient",
+    "BatchJobError",
     "ClientError",
     "EmbeddingClient",
     "InvalidInputError",

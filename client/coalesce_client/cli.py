@@ -1,4 +1,4 @@
-"""``coalesce-client``: embed texts or check health from the command line; prints JSON."""
+"""``coalesce-client``: embed texts, check health, load a server or run a bulk job; prints JSON."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 from coalesce_client.client import DEFAULT_URLS, EmbeddingClient, TlsOptions
 from coalesce_client.errors import ClientError
@@ -43,8 +45,9 @@ def parse_headers(pairs: list[str], env_pairs: list[str], environ: dict[str, str
 def main(argv: list[str] | None = None) -> int:
     """Entry point; exit 0 on success, 1 when the call failed, 2 on bad usage."""
     parser = argparse.ArgumentParser(prog="coalesce-client", description=__doc__)
-    parser.add_argument("--url", help=f"host:port (default {DEFAULT_URLS['grpc']} for grpc, "
-                                      f"{DEFAULT_URLS['http']} for http)")
+    parser.add_argument("--url", action="append", help=f"host:port (default {DEFAULT_URLS['grpc']} for grpc, "
+                                                       f"{DEFAULT_URLS['http']} for http); batch takes several "
+                                                       "(repeat it) and spreads its requests over them")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--model", default="minilm")
     parser.add_argument("--timeout-s", type=float, default=30.0,
@@ -70,15 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--texts-per-request", type=int, default=1)
     load.add_argument("--stats-url", help="gRPC host:port for Triton's statistics (default: --url's host, and "
                       "with --protocol http the gRPC port 8001 beside it)")
+    add_batch_parser(sub)
     args = parser.parse_args(argv)
+    urls = args.url or [None]
+    if len(urls) > 1 and args.command != "batch":
+        parser.error(f"several --url are for the batch command; {args.command} takes one")
     try:
         tls = (TlsOptions(args.ca_cert, args.client_cert, args.client_key)
                if args.ca_cert or args.client_cert or args.client_key else None)
-        client = EmbeddingClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout_s,
-                                 retry=RetryPolicy(max_attempts=args.max_attempts), tls=tls,
-                                 headers=parse_headers(args.header, args.header_env))
+        clients = [EmbeddingClient(url, protocol=args.protocol, model=args.model, timeout_s=args.timeout_s,
+                                   retry=RetryPolicy(max_attempts=args.max_attempts), tls=tls,
+                                   headers=parse_headers(args.header, args.header_env)) for url in urls]
+        if args.command == "batch":
+            options = batch_options(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.command == "batch":
+        return run_batch_command(options, clients)
+    client = clients[0]
 
     with client:
         if args.command == "health":
@@ -111,6 +123,77 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         json.dump({"model": client.model, "dim": int(vectors.shape[1]), "embeddings": vectors.tolist()}, sys.stdout)
         sys.stdout.write("\n")
+    return 0
+
+
+def add_batch_parser(sub: Any) -> None:
+    """The ``batch`` subcommand's arguments."""
+    batch = sub.add_parser("batch", help="a bulk job: a JSONL, CSV or Parquet file of ids and texts to a Parquet "
+                                         "file of ids and vectors (or scores); resumable; prints a JSON report")
+    batch.add_argument("input", type=Path, help="JSONL (one object per line), CSV (with a header) or Parquet")
+    batch.add_argument("output", type=Path, help="Parquet file written at the end (ids and the model's output)")
+    batch.add_argument("--id-column", default="id", help="column of the row ids, strings or integers (default id)")
+    batch.add_argument("--text-column", default="text", help="column of the texts (default text)")
+    batch.add_argument("--pair-column", help="column of the second texts, for a pair model (TEXT_PAIR)")
+    # batch.FORMATS, written out: the batch module (pyarrow) is imported only for a batch job.
+    batch.add_argument("--format", choices=("jsonl", "csv", "parquet"), help="input format (default: from the suffix)")
+    batch.add_argument("--output-name", help="model output to write (default: the model's only output)")
+    batch.add_argument("--rejects", type=Path, help="JSONL of rejected rows: line, id, reason, raw line "
+                                                     "(default OUTPUT.rejects.jsonl)")
+    batch.add_argument("--work-dir", type=Path, help="part files and the job's state (default OUTPUT.parts)")
+    batch.add_argument("--rows-per-request", type=int, help="rows per request (default: the model's max_batch_size)")
+    batch.add_argument("--concurrency", type=int, help="requests in flight (default: found by measuring)")
+    batch.add_argument("--max-concurrency", type=int, default=32, help="upper bound of the search (default 32)")
+    batch.add_argument("--part-rows", type=int, default=4096, help="rows per part file (default 4096)")
+    batch.add_argument("--part-interval-s", type=float, default=2.0,
+                       help="most seconds between part files: what a kill may lose (default 2)")
+    batch.add_argument("--restart", action="store_true", help="start over: discard an earlier run's part files")
+    batch.add_argument("--keep-parts", action="store_true", help="keep the part files after the merge")
+    shown = batch.add_mutually_exclusive_group()
+    shown.add_argument("--progress", dest="progress", action="store_true", default=None,
+                       help="show the progress bar (default: when standard error is a terminal)")
+    shown.add_argument("--no-progress", dest="progress", action="store_false")
+    batch.add_argument("--seed", type=int, default=0, help="seed of the order requests go out in")
+
+
+def batch_options(args: argparse.Namespace) -> Any:
+    """The ``BatchOptions`` of parsed ``batch`` arguments.
+
+    Raises:
+        ValueError: A setting that cannot work.
+    """
+    from coalesce_client.batch import BatchOptions
+
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    return BatchOptions(input_path=args.input, output_path=args.output, id_column=args.id_column,
+                        text_column=args.text_column, pair_column=args.pair_column, input_format=args.format,
+                        output_name=args.output_name, rejects_path=args.rejects, work_dir=args.work_dir,
+                        rows_per_request=args.rows_per_request, concurrency=args.concurrency,
+                        max_concurrency=args.max_concurrency, part_rows=args.part_rows,
+                        part_interval_s=args.part_interval_s, restart=args.restart, keep_parts=args.keep_parts,
+                        progress=progress, seed=args.seed)
+
+
+def run_batch_command(options: Any, clients: list[EmbeddingClient]) -> int:
+    """Run a bulk job; print its report. Exit 0 when done (rejected rows included), 1 when it stopped, 130 on Ctrl-C."""
+    from coalesce_client.batch import run_batch
+
+    try:
+        report = run_batch(options, clients)
+    except ClientError as exc:
+        sys.stderr.write(f"coalesce-client: {type(exc).__name__}: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write(f"coalesce-client: interrupted; the rows written are kept in {options.parts}: run the same "
+                         "command again to resume\n")
+        sys.stderr.flush()
+        # Requests still in flight would hold the exit until their deadline: their answers are not needed.
+        os._exit(130)
+    finally:
+        for client in clients:
+            client.close()
+    json.dump(report.as_dict(), sys.stdout)
+    sys.stdout.write("\n")
     return 0
 
 

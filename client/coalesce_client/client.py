@@ -306,18 +306,67 @@ class EmbeddingClient:
         """Texts per request: the given limit, else the model's ``max_batch_size``."""
         return self._rows_limit(Deadline(self.timeout_s))
 
+    def model_config(self) -> dict[str, Any]:
+        """The model's configuration as the server completed it (Triton's JSON form), within ``timeout_s``.
+
+        Raises:
+            ClientError: A subclass saying what went wrong, as for ``embed``.
+        """
+        return self._model_config(Deadline(self.timeout_s))
+
+    def _model_config(self, deadline: Deadline) -> dict[str, Any]:
+        def attempt(timeout_s: float) -> dict[str, Any]:
+            client = self._client()
+            if self.protocol == "grpc":
+                return dict(self._call(client.get_model_config, self.model, as_json=True,
+                                       timeout_s=timeout_s)["config"])
+            return dict(self._call(client.get_model_config, self.model, timeout_s=timeout_s))
+
+        return dict(self._with_retries(attempt, deadline))
+
     def _rows_limit(self, deadline: Deadline) -> int:
         if self._max_rows is None:
-            def attempt(timeout_s: float) -> dict[str, Any]:
-                client = self._client()
-                if self.protocol == "grpc":
-                    return dict(self._call(client.get_model_config, self.model, as_json=True,
-                                           timeout_s=timeout_s)["config"])
-                return dict(self._call(client.get_model_config, self.model, timeout_s=timeout_s))
-
-            config = self._with_retries(attempt, deadline)
+            config = self._model_config(deadline)
             self._max_rows = max(int(config.get("max_batch_size", 0)), 1)
         return self._max_rows
+
+    def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """One request of named tensors to the model, whatever its task, with this client's deadline and retries.
+
+        Arrays are sent as they are (an object array of bytes as BYTES, the others by their
+        numpy type); no list is split. Returns each of ``outputs`` by name.
+
+        Raises:
+            ClientError: A subclass saying what went wrong, as for ``embed``.
+        """
+        from tritonclient.utils import np_to_triton_dtype
+
+        if self.protocol == "grpc":
+            import tritonclient.grpc as tc
+        else:
+            import tritonclient.http as tc
+        items = []
+        for name, array in inputs.items():
+            item = tc.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            item.set_data_from_numpy(array)
+            items.append(item)
+        wanted = [tc.InferRequestedOutput(name) for name in outputs]
+        kwargs: dict[str, Any] = {}
+        if self._parameters:
+            kwargs["parameters"] = self._parameters
+        if self._server_timeout_us:
+            kwargs["timeout"] = self._server_timeout_us
+
+        def attempt(timeout_s: float) -> dict[str, np.ndarray]:
+            result = self._call(self._client().infer, self.model, items, outputs=wanted, timeout_s=timeout_s,
+                                **kwargs)
+            answer = {name: result.as_numpy(name) for name in outputs}
+            missing = [name for name, array in answer.items() if array is None]
+            if missing:
+                raise ServerError(f"{self._where}: the answer lacks output(s) {', '.join(missing)}")
+            return answer
+
+        return dict(self._with_retries(attempt, Deadline(self.timeout_s)))
 
     def _infer_once(self, texts: Sequence[Text], timeout_s: float) -> np.ndarray:
         client = self._client()

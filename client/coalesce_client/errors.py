@@ -44,3 +44,10 @@ class RequestTimeoutError(ClientError):
 
 class ServerError(ClientError):
     """The server failed while handling the request (``INTERNAL`` or another code)."""
+
+
+class BatchJobError(ClientError):
+    """A bulk job cannot start or go on: its input, its output, its saved state or the servers say why.
+
+    Rows already written stay in the job's part files: running the same job again resumes it.
+    """
