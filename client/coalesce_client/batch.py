@@ -1039,6 +1039,144 @@ def _object_column(values: Sequence[bytes]) -> np.ndarray:
     return array
 
 
+class _Sender:
+    """The sending loop of one run: requests out to the servers, answers into part files, failures handled.
+
+    Only the calling thread touches the job's state; worker threads only send.
+    """
+
+    def __init__(self, options: BatchOptions, io: ModelIO, rows: InputRows, pool: EndpointPool,
+                 writer: PartWriter, rejects: _Rejects, progress: _Progress, say: Callable[[str], None],
+                 clock: Clock) -> None:
+        self.options, self.io, self.rows, self.pool = options, io, rows, pool
+        self.writer, self.rejects, self.progress, self.say, self.clock = writer, rejects, progress, say, clock
+        self.ids = np.array(rows.ids, dtype=object)
+        self.texts = _object_column(rows.texts)
+        self.pairs = _object_column(rows.pairs) if rows.pairs is not None else None
+        start = min(options.max_concurrency, options.concurrency or 2 * len(pool.endpoints))
+        self.search = None if options.concurrency else ConcurrencySearch(start=start,
+                                                                         maximum=options.max_concurrency)
+        self.target = start
+        self.queue: deque[np.ndarray] = deque()
+        self.pending: dict[Future[dict[str, np.ndarray]], tuple[Endpoint, np.ndarray]] = {}
+        self.failures: dict[int, int] = {}  # id(chunk) -> failed attempts of that request
+        self.max_failures = 2 * len(pool.endpoints) + 1
+        self.fatal: BaseException | None = None
+        self.requests = 0
+
+    def run(self, todo: np.ndarray) -> None:
+        """Send rows ``todo`` (indices into the input's rows) until each is written or rejected, or a fatal error.
+
+        Raises:
+            BatchJobError: The job stopped; the answers that came back are written.
+        """
+        sizes = np.array([len(self.rows.texts[i]) + (len(self.rows.pairs[i]) if self.rows.pairs is not None else 0)
+                          for i in todo], dtype=np.int64)
+        max_rows = min(self.options.rows_per_request or self.io.max_rows, self.io.max_rows)
+        max_bytes = self.options.max_request_bytes or self.io.max_request_bytes
+        self.queue.extend(todo[chunk] for chunk in plan_requests(sizes, max_rows=max_rows, max_bytes=max_bytes,
+                                                                 seed=self.options.seed))
+        executor = ThreadPoolExecutor(max_workers=self.options.max_concurrency, thread_name_prefix="coalesce-batch")
+        drained = False
+        try:
+            while (self.queue and self.fatal is None) or self.pending:
+                self._submit(executor)
+                if not self.pending:
+                    time.sleep(min(1.0, max(0.01, self.pool.next_up_s(self.clock()))))
+                    continue
+                finished, _ = wait(self.pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    self._answered(future)
+                if self.writer.due():
+                    self.writer.flush()
+            drained = True
+        finally:
+            # Keep every answer that came back, whatever stopped the job (an error, Ctrl-C); on Ctrl-C do not
+            # wait for the requests in flight.
+            self.writer.flush()
+            executor.shutdown(wait=drained, cancel_futures=True)
+        if self.fatal is not None:
+            where = f"{self.writer.written} rows of this run are kept in {self.options.parts}: run the job again " \
+                    "to resume"
+            if isinstance(self.fatal, BatchJobError):
+                raise BatchJobError(f"{self.fatal}; {where}") from self.fatal
+            if isinstance(self.fatal, ClientError):
+                raise BatchJobError(f"{type(self.fatal).__name__}: {self.fatal}; {where}") from self.fatal
+            raise self.fatal
+
+    def _send(self, endpoint: Endpoint, chunk: np.ndarray) -> dict[str, np.ndarray]:
+        inputs = {self.io.text_input: self.texts[chunk].reshape(-1, 1)}
+        if self.io.pair_input is not None and self.pairs is not None:
+            inputs[self.io.pair_input] = self.pairs[chunk].reshape(-1, 1)
+        return dict(endpoint.client.infer(inputs, [self.io.output]))
+
+    def _submit(self, executor: ThreadPoolExecutor) -> None:
+        now = self.clock()
+        while self.queue and self.fatal is None and len(self.pending) < self.target:
+            endpoint = self.pool.pick(now)
+            if endpoint is None:
+                return
+            chunk = self.queue.popleft()
+            endpoint.in_flight += 1
+            self.requests += 1
+            self.pending[executor.submit(self._send, endpoint, chunk)] = (endpoint, chunk)
+
+    def _answered(self, future: Future[dict[str, np.ndarray]]) -> None:
+        endpoint, chunk = self.pending.pop(future)
+        endpoint.in_flight -= 1
+        try:
+            answer = future.result()
+        except InvalidInputError as error:
+            self._refused(chunk, error)
+            return
+        except (ServerUnavailableError, RequestTimeoutError) as error:
+            self._unavailable(endpoint, chunk, error)
+            return
+        except Exception as error:  # the model, access, a server failure or a bug: stop, keeping the work done
+            self.fatal = self.fatal or error
+            return
+        values = np.asarray(answer[self.io.output])
+        if values.shape[0] != len(chunk) or values.size != len(chunk) * self.io.width:
+            self.fatal = BatchJobError(f"{endpoint.url} answered {self.io.output} of shape {values.shape} for "
+                                       f"{len(chunk)} rows of {list(self.io.output_dims)}")
+            return
+        self.failures.pop(id(chunk), None)
+        endpoint.requests += 1
+        endpoint.rows += len(chunk)
+        self.writer.add(self.ids[chunk], values.reshape(len(chunk), self.io.width).astype(self.io.dtype, copy=False))
+        if self.search is not None:
+            self.target = self.search.record(len(chunk), self.clock())
+        self.progress.update(len(chunk), self.target)
+
+    def _refused(self, chunk: np.ndarray, error: ClientError) -> None:
+        """The server refused a request's input: split it until the refused rows stand alone, then reject them."""
+        if len(chunk) > 1:
+            half = len(chunk) // 2
+            self.queue.extendleft([chunk[half:], chunk[:half]])
+            return
+        row = int(chunk[0])
+        record = {self.options.id_column: self.rows.ids[row], self.options.text_column: self.rows.texts[row].decode()}
+        if self.rows.pairs is not None and self.options.pair_column:
+            record[self.options.pair_column] = self.rows.pairs[row].decode()
+        self.rejects.add(Reject(self.rows.lines[row], f"refused by the server: {error}",
+                                _raw(json.dumps(record, ensure_ascii=False)), self.rows.ids[row]), from_server=True)
+        self.progress.update(1, self.target)
+
+    def _unavailable(self, endpoint: Endpoint, chunk: np.ndarray, error: ClientError) -> None:
+        """A server did not answer (after its retries): leave it alone a while; the request goes elsewhere."""
+        self.pool.fail(endpoint, self.clock())
+        tries = self.failures[id(chunk)] = self.failures.get(id(chunk), 0) + 1
+        self.say(f"coalesce-client: {endpoint.url}: {type(error).__name__}: {error}; its request goes to another "
+                 f"server or waits {self.pool.cooldown_s:g} s")
+        if tries >= self.max_failures:
+            self.fatal = BatchJobError(f"a request failed {tries} times, on every server: {error}")
+            return
+        self.queue.appendleft(chunk)
+        # A refusal or a timeout says the servers are overloaded; a server that is gone does not.
+        if self.search is not None and isinstance(error, RequestRejectedError | RequestTimeoutError):
+            self.target = self.search.back_off()
+
+
 def run_batch(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
               log: Callable[[str], None] | None = None, clock: Clock = time.monotonic) -> BatchReport:
     """Run (or resume) a bulk job over ``clients`` (one per server, the same model); returns what it did.
@@ -1050,9 +1188,9 @@ def run_batch(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
         clock: Monotonic seconds.
 
     Raises:
-        BatchJobError: The job cannot start, or stopped (no server answered, the server
-            failed); what was finished is kept, and running it again resumes.
-        ClientError: The model is unknown or access is denied.
+        BatchJobError: The job cannot start, or stopped (no server answered, the model or
+            the server failed); what was finished is kept, and running it again resumes.
+        ClientError: The model is unknown or access is denied (found before anything is sent).
     """
     started = clock()
     progress = _Progress(False, 0, 0)
@@ -1081,123 +1219,19 @@ def run_batch(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
             f"refused earlier, {len(todo)} to send")
     progress = _Progress(options.progress, total=len(rows), initial=skipped)
     rejects = _Rejects(options.rejects, directory, rows.noun, say)
-    for reject in [*rows.rejects, *earlier_rejects]:
-        rejects.add(reject)
-
-    ids = np.array(rows.ids, dtype=object)
-    texts = _object_column(rows.texts)
-    pairs = _object_column(rows.pairs) if rows.pairs is not None else None
-    sizes = np.array([len(rows.texts[i]) + (len(rows.pairs[i]) if rows.pairs is not None else 0) for i in todo],
-                     dtype=np.int64)
-    max_rows = min(options.rows_per_request or io.max_rows, io.max_rows)
-    max_bytes = options.max_request_bytes or io.max_request_bytes
-    queue = deque(todo[chunk] for chunk in plan_requests(sizes, max_rows=max_rows, max_bytes=max_bytes,
-                                                         seed=options.seed))
     pool = EndpointPool(clients)
-    start = min(options.max_concurrency, options.concurrency or 2 * len(clients))
-    search = None if options.concurrency else ConcurrencySearch(start=start, maximum=options.max_concurrency)
-    target = start
     writer = PartWriter(directory, schema, part_rows=options.part_rows, part_interval_s=options.part_interval_s,
                         clock=clock)
-    pending: dict[Future[dict[str, np.ndarray]], tuple[Endpoint, np.ndarray]] = {}
-    failures: dict[int, int] = {}  # id(chunk) -> failed attempts of that request
-    max_failures = 2 * len(clients) + 1
-    fatal: BaseException | None = None
-    requests = 0
+    sender = _Sender(options, io, rows, pool, writer, rejects, progress, say, clock)
     send_started = clock()
-
-    def send(endpoint: Endpoint, chunk: np.ndarray) -> dict[str, np.ndarray]:
-        inputs = {io.text_input: texts[chunk].reshape(-1, 1)}
-        if io.pair_input is not None and pairs is not None:
-            inputs[io.pair_input] = pairs[chunk].reshape(-1, 1)
-        return dict(endpoint.client.infer(inputs, [io.output]))
-
-    executor = ThreadPoolExecutor(max_workers=options.max_concurrency, thread_name_prefix="coalesce-batch")
-    drained = False
     try:
-        while (queue and fatal is None) or pending:
-            now = clock()
-            while queue and fatal is None and len(pending) < target:
-                endpoint = pool.pick(now)
-                if endpoint is None:
-                    break
-                chunk = queue.popleft()
-                endpoint.in_flight += 1
-                requests += 1
-                pending[executor.submit(send, endpoint, chunk)] = (endpoint, chunk)
-            if not pending:
-                time.sleep(min(1.0, max(0.01, pool.next_up_s(clock()))))
-                continue
-            finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            for future in finished:
-                endpoint, chunk = pending.pop(future)
-                endpoint.in_flight -= 1
-                try:
-                    answer = future.result()
-                except InvalidInputError as error:
-                    if len(chunk) > 1:  # find the row(s) the server refuses: split the request
-                        half = len(chunk) // 2
-                        queue.extendleft([chunk[half:], chunk[:half]])
-                        continue
-                    row = int(chunk[0])
-                    record = {options.id_column: rows.ids[row], options.text_column: rows.texts[row].decode()}
-                    if rows.pairs is not None and options.pair_column:
-                        record[options.pair_column] = rows.pairs[row].decode()
-                    rejects.add(Reject(rows.lines[row], f"refused by the server: {error}",
-                                       _raw(json.dumps(record, ensure_ascii=False)), rows.ids[row]),
-                                from_server=True)
-                    progress.update(1, target)
-                    continue
-                except (ServerUnavailableError, RequestTimeoutError) as error:
-                    pool.fail(endpoint, clock())
-                    tries = failures[id(chunk)] = failures.get(id(chunk), 0) + 1
-                    say(f"coalesce-client: {endpoint.url}: {type(error).__name__}: {error}; its request goes "
-                        f"to another server or waits {pool.cooldown_s:g} s")
-                    if tries >= max_failures:
-                        fatal = BatchJobError(f"a request failed {tries} times, on every server: {error}")
-                    else:
-                        queue.appendleft(chunk)
-                        # A refusal or a timeout says the servers are overloaded; a server that is gone does not.
-                        if search is not None and isinstance(error, RequestRejectedError | RequestTimeoutError):
-                            target = search.back_off()
-                    continue
-                except ClientError as error:
-                    fatal = fatal or error
-                    continue
-                except Exception as error:  # a bug or an unexpected transport failure: stop, keeping the work
-                    fatal = fatal or error
-                    continue
-                values = np.asarray(answer[io.output])
-                if values.shape[0] != len(chunk) or values.size != len(chunk) * io.width:
-                    fatal = BatchJobError(f"{endpoint.url} answered {io.output} of shape {values.shape} for "
-                                          f"{len(chunk)} rows of {list(io.output_dims)}")
-                    continue
-                failures.pop(id(chunk), None)
-                endpoint.requests += 1
-                endpoint.rows += len(chunk)
-                writer.add(ids[chunk], values.reshape(len(chunk), io.width).astype(io.dtype, copy=False))
-                if search is not None:
-                    target = search.record(len(chunk), clock())
-                progress.update(len(chunk), target)
-            if writer.due():
-                writer.flush()
-        drained = True
+        for reject in [*rows.rejects, *earlier_rejects]:
+            rejects.add(reject)
+        sender.run(todo)
     finally:
-        # Keep every answer that came back, whatever stopped the job (an error, Ctrl-C); on Ctrl-C do not wait
-        # for the requests in flight.
-        writer.flush()
-        executor.shutdown(wait=drained, cancel_futures=True)
         progress.close()
         rejects.close()
     send_s = clock() - send_started
-    if fatal is not None:
-        if isinstance(fatal, ClientError) and not isinstance(fatal, BatchJobError):
-            raise BatchJobError(f"{type(fatal).__name__}: {fatal}; {writer.written} rows of this run are kept in "
-                                f"{directory}: run the job again to resume") from fatal
-        if isinstance(fatal, BatchJobError):
-            raise BatchJobError(f"{fatal}; {writer.written} rows of this run are kept in {directory}: run the "
-                                "job again to resume") from fatal
-        raise fatal
     merge_started = clock()
     output_rows = merge_parts(directory, options.output_path, schema)
     expected = len(rows) - len({r.id for r in read_server_rejects(directory)})
@@ -1209,8 +1243,8 @@ def run_batch(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
     merge_s = clock() - merge_started
     return BatchReport(output=str(options.output_path), rejects=str(options.rejects), rows=len(rows),
                        rejected=rejects.count, skipped=skipped, sent=len(todo), written=writer.written,
-                       output_rows=output_rows, requests=requests, concurrency=target,
-                       concurrency_history=list(search.history) if search else [], read_s=read_s, send_s=send_s,
-                       merge_s=merge_s, wall_s=clock() - started,
+                       output_rows=output_rows, requests=sender.requests, concurrency=sender.target,
+                       concurrency_history=list(sender.search.history) if sender.search else [], read_s=read_s,
+                       send_s=send_s, merge_s=merge_s, wall_s=clock() - started,
                        servers=[{"url": e.url, "requests": e.requests, "rows": e.rows, "failures": e.failures}
                                 for e in pool.endpoints])
