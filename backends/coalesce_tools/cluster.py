@@ -233,7 +233,7 @@ def check_haproxy_config(path: Path, binary: str | None = None) -> None:
     Raises:
         ClusterError: With haproxy's own message if it refuses the file.
     """
-    done = subprocess.run([binary or find_haproxy(), "-c", "-q", "-f", str(path)], capture_output=True, text=True,
+    done = subprocess.run([binary or find_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True,
                           timeout=30)
     if done.returncode != 0:
         raise ClusterError(f"haproxy refuses {path}: {(done.stdout + done.stderr).strip()[-2000:]}")
