@@ -107,6 +107,7 @@ class BatchOptions:
         keep_parts: Keep the working folder after the merge.
         progress: Show a progress bar (rows/s, ETA) on standard error.
         seed: Seed of the order the requests go out in.
+        cooldown_s: Seconds a server that did not answer (after its retries) is left alone.
     """
 
     input_path: Path
@@ -128,6 +129,7 @@ class BatchOptions:
     keep_parts: bool = False
     progress: bool = True
     seed: int = 0
+    cooldown_s: float = 5.0
 
     def __post_init__(self) -> None:
         """Reject settings that cannot work, naming the field and value."""
@@ -142,8 +144,9 @@ class BatchOptions:
         for name in ("max_concurrency", "part_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
-        if not self.part_interval_s > 0:
-            raise ValueError(f"part_interval_s must be > 0, got {self.part_interval_s!r}")
+        for name in ("part_interval_s", "cooldown_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         columns = [self.id_column, self.text_column, *([self.pair_column] if self.pair_column else [])]
         if len(set(columns)) != len(columns) or not all(columns):
             raise ValueError(f"the id, text and pair columns must be distinct names, got {columns}")
@@ -320,13 +323,14 @@ def read_jsonl(path: Path, id_column: str = "id", text_column: str = "text",
     rows = _Collector(id_column, text_column, pair_column)
     with open(path, "rb") as stream:
         for number, data in enumerate(stream, start=1):
-            raw = data.decode("utf-8", "replace").rstrip("\r\n")
+            data = data.rstrip(b"\r\n")
+            raw = data.decode("utf-8", "replace")
             if not data.strip():
                 continue
             try:
                 record = json.loads(data.decode("utf-8"))
             except UnicodeDecodeError as exc:
-                rows.reject(number, f"not valid UTF-8 (byte {exc.start})", raw)
+                rows.reject(number, f"not valid UTF-8 (byte {exc.start + 1})", raw)
                 continue
             except json.JSONDecodeError as exc:
                 rows.reject(number, f"invalid JSON: {exc.msg} (column {exc.colno})", raw)
@@ -1219,7 +1223,7 @@ def run_batch(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
             f"refused earlier, {len(todo)} to send")
     progress = _Progress(options.progress, total=len(rows), initial=skipped)
     rejects = _Rejects(options.rejects, directory, rows.noun, say)
-    pool = EndpointPool(clients)
+    pool = EndpointPool(clients, cooldown_s=options.cooldown_s)
     writer = PartWriter(directory, schema, part_rows=options.part_rows, part_interval_s=options.part_interval_s,
                         clock=clock)
     sender = _Sender(options, io, rows, pool, writer, rejects, progress, say, clock)
