@@ -119,14 +119,16 @@ def _cluster(args: argparse.Namespace) -> int:
     cluster = Cluster(options, echo=None if args.quiet else sys.stderr, log=say)
     stopping = threading.Event()
 
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt  # as SIGINT does: start() stops what it started, then lets it through
+
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # The first signal stops everything cleanly (the main thread does it); a second kills it all at once.
         if stopping.is_set():
             cluster.kill()
         stopping.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, interrupt)
     say(f"coalesce cluster: starting {options.replicas} replica(s) of {options.model_repository}, "
         "a redis-server and haproxy")
     try:
@@ -134,6 +136,11 @@ def _cluster(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         sys.stderr.write(f"coalesce cluster: {exc}\n")
         return 1
+    except KeyboardInterrupt:
+        say("coalesce cluster: interrupted while starting; stopped what had started")
+        return 130
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
         assert cluster.balancer is not None and cluster.redis is not None

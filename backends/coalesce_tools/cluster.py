@@ -788,6 +788,8 @@ class Cluster:
                     self._log(f"coalesce cluster: replica {replica.name} is serving again, {elapsed_s:.1f} s after "
                               "it exited")
                     break
+                if self._stopping.is_set():
+                    break  # the cluster stopped it while it started: not a failure to report
                 self._log(f"coalesce cluster: replica {replica.name} did not start again: {problem}")
                 self._stopping.wait(5.0)
 
@@ -830,7 +832,7 @@ class Cluster:
             keeper.join(timeout=30)
         self._stop_servers()  # one that a keeper started just before it saw the stop
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.__exit__(None, None, None)  # stops it and removes its log file, as its context manager does
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
