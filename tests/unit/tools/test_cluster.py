@@ -123,9 +123,22 @@ def test_stats_csv_gives_each_servers_state():
     assert server_states(rows, GRPC_BACKEND) == {"r0": "UP", "r1": "DOWN"}
 
 
-def test_prepare_repository_points_row_models_at_redis_and_links_the_files(tmp_path):
+@pytest.fixture()
+def source(tmp_path):
+    """The example repository's configs and recipes, with stand-ins for the files `make setup` builds."""
+    root = tmp_path / "source"
+    for model in sorted(p.parent for p in REPOSITORY.glob("*/config.pbtxt")):
+        (root / model.name / "1").mkdir(parents=True)
+        for name in ("config.pbtxt", "recipe.json"):
+            (root / model.name / name).write_bytes((model / name).read_bytes())
+        (root / model.name / "1" / "model.onnx").write_bytes(b"graph")
+        (root / model.name / "1" / "hf").mkdir()
+    return root
+
+
+def test_prepare_repository_points_row_models_at_redis_and_links_the_files(tmp_path, source):
     dest = tmp_path / "repo"
-    shared = prepare_repository(REPOSITORY, dest, redis_url="redis://127.0.0.1:7000/0",
+    shared = prepare_repository(source, dest, redis_url="redis://127.0.0.1:7000/0",
                                 parameters={"precision": "fp32"})
     assert shared == ["digits", "minilm", "minilm_rerank", "minilm_tokens"]  # not tinylm: task generate
     original = read_model_config(REPOSITORY / "minilm" / "config.pbtxt")
@@ -139,19 +152,21 @@ def test_prepare_repository_points_row_models_at_redis_and_links_the_files(tmp_p
         {k: v for k, v in original["parameters"].items() if k != "precision"}
     assert parameter(read_model_config(dest / "tinylm" / "config.pbtxt"), "redis_url") == ""
     assert (dest / "tinylm" / "config.pbtxt").read_text() == (REPOSITORY / "tinylm" / "config.pbtxt").read_text()
-    # Version folders are real folders of links; other files are links.
+    # Version folders are real folders of links (a file, a folder); other files are links.
     version = dest / "minilm" / "1"
     assert version.is_dir() and not version.is_symlink()
-    for item in (REPOSITORY / "minilm" / "1").iterdir():
-        assert (version / item.name).is_symlink() and (version / item.name).resolve() == item.resolve()
+    for name in ("model.onnx", "hf"):
+        linked = version / name
+        assert linked.is_symlink() and linked.resolve() == (source / "minilm" / "1" / name).resolve()
+    assert (version / "model.onnx").read_bytes() == b"graph"
     assert (dest / "minilm" / "recipe.json").is_symlink()
 
 
-def test_prepare_repository_copies_only_the_models_asked_for(tmp_path):
-    assert prepare_repository(REPOSITORY, tmp_path / "a", redis_url="redis://h:1/0", models=("minilm",)) == ["minilm"]
+def test_prepare_repository_copies_only_the_models_asked_for(tmp_path, source):
+    assert prepare_repository(source, tmp_path / "a", redis_url="redis://h:1/0", models=("minilm",)) == ["minilm"]
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["minilm"]
     with pytest.raises(ClusterError, match="has no model nope"):
-        prepare_repository(REPOSITORY, tmp_path / "b", redis_url="redis://h:1/0", models=("minilm", "nope"))
+        prepare_repository(source, tmp_path / "b", redis_url="redis://h:1/0", models=("minilm", "nope"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ClusterError, match="holds no model"):
         prepare_repository(tmp_path / "empty", tmp_path / "c", redis_url="redis://h:1/0")
