@@ -21,7 +21,7 @@ CAPACITY_ARGS ?=
 REPLICAS ?= 2
 CLUSTER_ARGS ?=
 
-.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate eval-adaptive load tune soak flood cluster cluster-test capacity
+.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate bench-bulk eval-adaptive load tune soak flood cluster cluster-test capacity
 
 setup:                 ## venv with .[serve,export,generate], OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -58,6 +58,10 @@ bench-shared:          ## the shared Redis row-cache tier: cost on distinct traf
 bench-generate:        ## tinylm: continuous batching vs static (Triton-batched) vs one at a time, 16 streams + Poisson; writes perf/results/generate-*
 	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.generate $(BENCH_ARGS)
+
+bench-bulk:            ## coalesce-client batch through one server vs the offline limit, and $/1M rows vs online c=16; writes perf/results/bulk-*
+	@bash scripts/setup.sh --dev
+	$(BIN)/python -m perf.bulk $(BENCH_ARGS)
 
 bench-neighbours:      ## one model at 2x capacity beside light ones, by isolation variant; writes perf/results/neighbours-*
 	@bash scripts/setup.sh --dev
