@@ -154,6 +154,8 @@ def add_batch_parser(sub: Any) -> None:
                        help="show the progress bar (default: when standard error is a terminal)")
     shown.add_argument("--no-progress", dest="progress", action="store_false")
     batch.add_argument("--seed", type=int, default=0, help="seed of the order requests go out in")
+    batch.add_argument("--tokenizer", type=Path, help="the served model's tokenizer.json: rows are sorted by exact "
+                                                      "token counts (default: an estimate from words and punctuation)")
 
 
 def batch_options(args: argparse.Namespace) -> Any:
@@ -171,7 +173,7 @@ def batch_options(args: argparse.Namespace) -> Any:
                         rows_per_request=args.rows_per_request, concurrency=args.concurrency,
                         max_concurrency=args.max_concurrency, part_rows=args.part_rows,
                         part_interval_s=args.part_interval_s, restart=args.restart, keep_parts=args.keep_parts,
-                        progress=progress, seed=args.seed)
+                        progress=progress, seed=args.seed, tokenizer=args.tokenizer)
 
 
 def run_batch_command(options: Any, clients: list[EmbeddingClient]) -> int:

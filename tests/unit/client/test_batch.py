@@ -25,6 +25,7 @@ from coalesce_client.batch import (
     ConcurrencySearch,
     EndpointPool,
     PartWriter,
+    estimate_tokens,
     finished_ids,
     merge_parts,
     model_io,
@@ -33,6 +34,7 @@ from coalesce_client.batch import (
     read_csv,
     read_jsonl,
     read_parquet,
+    row_lengths,
     run_batch,
 )
 from coalesce_client.cli import main
@@ -207,22 +209,34 @@ def test_model_io_says_why_a_model_does_not_fit(config, kwargs, message):
 
 def test_requests_hold_length_sorted_rows_within_both_bounds():
     rng = random.Random(3)
-    sizes = [rng.randint(1, 300) for _ in range(1000)] + [5000]
-    requests = plan_requests(sizes, max_rows=64, max_bytes=4000, seed=None)
+    lengths = [rng.randint(1, 300) for _ in range(1001)]
+    sizes = [4 * n for n in lengths[:1000]] + [5000]
+    requests = plan_requests(lengths, sizes, max_rows=64, max_bytes=4000, seed=None)
     everything = np.concatenate(requests)
     assert sorted(everything.tolist()) == list(range(len(sizes)))  # every row exactly once
     for request in requests:
         assert len(request) <= 64
         assert sum(sizes[i] for i in request) <= 4000 or len(request) == 1
-    assert requests[-1].tolist() == [1000]  # larger than max_bytes: alone
-    in_order = [sizes[i] for i in everything]
-    assert in_order == sorted(in_order)  # seed None: size order
-    shuffled = plan_requests(sizes, max_rows=64, max_bytes=4000, seed=1)
+    assert [1000] in [r.tolist() for r in requests]  # larger than max_bytes: alone
+    in_order = [lengths[i] for i in everything]
+    assert in_order == sorted(in_order)  # seed None: length order
+    shuffled = plan_requests(lengths, sizes, max_rows=64, max_bytes=4000, seed=1)
     assert sorted(map(tuple, shuffled)) == sorted(map(tuple, requests))  # the same requests...
     assert [r.tolist() for r in shuffled] != [r.tolist() for r in requests]  # ...in another order
-    assert [r.tolist() for r in plan_requests(sizes, max_rows=64, max_bytes=4000, seed=1)] == \
+    assert [r.tolist() for r in plan_requests(lengths, sizes, max_rows=64, max_bytes=4000, seed=1)] == \
         [r.tolist() for r in shuffled]
-    assert plan_requests([], max_rows=8, max_bytes=10) == []
+    assert plan_requests([], [], max_rows=8, max_bytes=10) == []
+
+
+def test_row_lengths_are_estimated_or_counted_by_the_tokenizer(version_dir):
+    texts = [b"a short one", b"Don't stop: co-operate, please!", ("word " * 400).encode()]
+    assert [estimate_tokens(t) for t in texts[:2]] == [3 + 2, 11 + 2]
+    assert row_lengths(texts, None, max_tokens=256).tolist() == [5, 13, 256]
+    assert row_lengths(texts[:1], [b"and its pair"]).tolist() == [5 + 5]
+    counted = row_lengths(texts, None, tokenizer=version_dir / "tokenizer.json", max_tokens=256)
+    assert counted.tolist() == [5, 13, 256]  # [CLS] ... [SEP]; the packaged file's own padding to 128 is off
+    paired = row_lengths(texts[:1], [b"and its pair"], tokenizer=version_dir / "tokenizer.json")
+    assert paired.tolist() == [5 + 4]  # [CLS] a [SEP] b [SEP]
 
 
 def simulate(search, rows_per_s, answers, rows=64):
