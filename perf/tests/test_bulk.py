@@ -23,12 +23,15 @@ def test_the_job_is_run_as_a_user_runs_it(tmp_path):
                                  tmp_path / "q.parquet")
     assert command[1:] == ["-m", "coalesce_client.cli", "--url", "127.0.0.1:8001", "--model", "minilm", "batch",
                            str(tmp_path / "q.jsonl"), str(tmp_path / "q.parquet"), "--restart", "--no-progress"]
+    counted = bulk.batch_command(tmp_path / "python", "h:1", "m", tmp_path / "q.jsonl", tmp_path / "q.parquet",
+                                 tmp_path / "tokenizer.json")
+    assert counted[-2:] == ["--tokenizer", str(tmp_path / "tokenizer.json")]
 
 
 def points():
     rates = {("queries", "limit"): [500.0, 400.0], ("queries", "bulk"): [460.0, 380.0],
-             ("queries", "online"): [250.0, 260.0], ("documents", "limit"): [80.0, 100.0],
-             ("documents", "bulk"): [60.0, 90.0]}
+             ("queries", "bulk-est"): [400.0, 300.0], ("queries", "online"): [250.0, 260.0],
+             ("documents", "limit"): [80.0, 100.0], ("documents", "bulk"): [60.0, 90.0]}
     return [{"round": r, "profile": p, "system": s, "rows_per_s": v, "detail": f"{s} detail"}
             for (p, s), values in rates.items() for r, v in enumerate(values)]
 
@@ -37,11 +40,13 @@ def test_the_summary_takes_same_round_ratios_and_costs_from_medians():
     queries, documents = bulk.summarize(points(), ["queries", "documents"], price_per_core_hour=0.05, cores=2)
     assert queries["bulk_over_limit_rounds"] == pytest.approx([0.92, 0.95])
     assert queries["bulk_over_limit"] == pytest.approx(0.935) and queries["met"]
+    assert queries["bulk-est_over_limit"] == pytest.approx((0.8 + 0.75) / 2)
     assert queries["bulk_rows_per_s"] == 420.0 and queries["online_rows_per_s"] == 255.0
     assert queries["bulk_cost_per_m_rows"] == pytest.approx(bulk.cost_per_million_rows(420.0, 0.05, 2))
     assert queries["bulk_over_online"] == pytest.approx(420.0 / 255.0)
     assert documents["bulk_over_limit"] == pytest.approx((0.75 + 0.9) / 2) and not documents["met"]
     assert documents["online_rows_per_s"] is None and documents["online_cost_per_m_rows"] is None
+    assert documents["bulk-est_over_limit"] is None
 
 
 def test_the_report_states_the_price_and_every_point():
@@ -52,7 +57,8 @@ def test_the_report_states_the_price_and_every_point():
            "notes": ["A note."]}
     text = bulk.markdown(run)
     assert "an assumed $0.05 per core-hour x 2 cores = $0.1/hour" in text
-    assert "| queries | 450.0 | 420.0 | **0.94** (met; rounds 0.92, 0.95) | 255.0 | 0.066 | 0.109 | 1.65x |" in text
-    assert "| documents | 90.0 | 75.0 | **0.82** (missed; rounds 0.75, 0.90) | - | 0.370 | - | - |" in text
+    assert ("| queries | 450.0 | 420.0 | **0.94** (met; rounds 0.92, 0.95) | 350.0 (0.78) | 255.0 | 0.066 | 0.109 "
+            "| 1.65x |") in text
+    assert "| documents | 90.0 | 75.0 | **0.82** (missed; rounds 0.75, 0.90) | - (-) | - | 0.370 | - | - |" in text
     assert "| 1 | documents | bulk | 90.0 | bulk detail |" in text
     assert text.rstrip().endswith("A note.")
