@@ -50,6 +50,7 @@ from coalesce_tools.launcher import (
     ServerOptions,
     TritonServer,
     _set_parent_death_signal,
+    connect_host,
     free_port,
 )
 from coalesce_tools.supervisor import SupervisorOptions
@@ -344,8 +345,7 @@ class Balancer:
 
     @property
     def _connect_host(self) -> str:
-        host = self.options.host
-        return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return connect_host(self.options.host)
 
     @property
     def http_url(self) -> str:

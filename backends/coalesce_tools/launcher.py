@@ -157,6 +157,11 @@ def is_loopback(host: str) -> bool:
     return host in _LOOPBACK_HOSTS or host.startswith("127.")
 
 
+def connect_host(host: str) -> str:
+    """The address a client on this machine uses to reach a server bound to ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") or is_loopback(host) else host
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
     """How to start the server.
@@ -268,8 +273,7 @@ class TritonServer:
 
     @property
     def _connect_host(self) -> str:
-        host = self.options.host
-        return "127.0.0.1" if host in ("0.0.0.0", "::", "") or is_loopback(host) else host
+        return connect_host(self.options.host)
 
     @property
     def http_url(self) -> str:
