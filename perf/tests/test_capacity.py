@@ -63,3 +63,12 @@ def test_a_plan_from_the_committed_results_reads_and_reports(tmp_path):
 def test_bad_arguments_are_refused_with_a_message(capsys):
     assert capacity.main(["--headroom", "1.5", "--run", "never"]) == 2
     assert "headroom" in capsys.readouterr().err
+
+
+def test_bulk_and_online_cost_in_replica_hours_per_million_rows():
+    [costs] = capacity.bulk_costs({"summary": [{"profile": "q", "bulk_rows_per_s": 500.0, "online_rows_per_s": 250.0}]})
+    assert costs["bulk_replica_hours_per_1m"] == pytest.approx(1e6 / 500 / 3600)
+    assert costs["online_replica_hours_per_1m"] == pytest.approx(2 * costs["bulk_replica_hours_per_1m"])
+    text = capacity.markdown({"run": "t", "command": "c", "rows_per_s": 1, "p99_ms": 1, "headroom": 1, "profiles": [],
+                              "sources": {"peers": "p", "peers_machine": "m", "shared": "s"}, "bulk": [costs]})
+    assert "| q | 500.0 | 250.0 | 0.56 | 1.11 | 2.00x |" in text
