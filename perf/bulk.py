@@ -1,27 +1,35 @@
 """``python -m perf.bulk``: a bulk job through one local server against the offline limit, and its cost.
 
 For each workload a seeded corpus (``perf.workloads``, every text distinct) is written as
-JSONL. One tritonserver serves minilm as a server running it alone for bulk work would:
-every core, no row cache (all texts are distinct), and ONNX Runtime's threads not
-spin-waiting (they would take the cores the server's front end, the stub and the job need
-between passes). Each round measures, one after the other on the same machine:
+JSONL. One tritonserver serves minilm twice, as a server running it alone for bulk work
+would: no row cache (every text is distinct) and ONNX Runtime's threads not spin-waiting
+(they would take the cores the server's front end, the stub and the job need between
+passes), in two layouts of the same two cores:
 
-- ``limit``: the offline in-process ceiling of ``perf.limits``: the model's own pipeline
-  (every core, no row cache), the whole corpus tokenised, sorted by length and run at its
-  best cuts (fixed 8/16/32/64, or the DP planner over the whole corpus); the better of
-  ONNX Runtime spin-waiting and not, so the limit is not lowered by the served setting.
+- ``1x2``: one instance whose passes use every core (``SINGLE_MODEL_THREADS``'s layout);
+- ``2x1``: two instances of one thread each, so one instance's Python work (tokenising,
+  assembling, splitting, the stub's round trip) overlaps the other's forward pass.
+
+Each round measures, one after the other on the same machine:
+
+- ``limit``: the offline in-process ceiling, no server, no client, no file: the best of
+  ``perf.limits.limit`` (the model's pipeline on every core, spin-waiting and not, the
+  whole corpus tokenised, sorted by length and run at its best cuts: fixed 8/16/32/64, or
+  the DP planner over the whole corpus) and of two one-thread pipelines side by side
+  (``parallel_limit``: the same sorted corpus, fixed cuts dealt out in turn), the in-process
+  counterpart of ``2x1``.
 - ``bulk``: ``coalesce-client batch --tokenizer <the model's tokenizer.json>`` (a subprocess,
-  as a user runs it) over the JSONL file into Parquet, concurrency found by itself. Rows/s
-  is the job's own: reading, sorting, sending and merging the output included, Python's
-  start-up not. ``bulk-est``: the same job without ``--tokenizer`` (rows sorted by estimated
-  token counts).
-- ``online``: the same server answering one text per HTTP request at concurrency 16, closed
-  loop (``perf.closed_loop``), texts of the same corpus.
+  as a user runs it) over the JSONL file into Parquet through ``2x1``, concurrency found by
+  itself. Rows/s is the job's own: reading, sorting, sending and merging the output
+  included, Python's start-up not. ``bulk-1x2``: the same through ``1x2``. ``bulk-est``:
+  through ``2x1`` without ``--tokenizer`` (rows sorted by estimated token counts).
+- ``online``, ``online-1x2``: one text per HTTP request at concurrency 16, closed loop
+  (``perf.closed_loop``), texts of the same corpus, through ``2x1`` and ``1x2``.
 
 The report gives rows/s, bulk over limit (target >= 0.9x) and the cost of 1M rows for
-the bulk job and for online serving: the machine's price (``--price-per-core-hour`` times
-its cores, an assumption stated in the report) over the measured rows/s. Writes
-``perf/results/bulk-<yyyymmdd>.{json,md}``.
+the bulk job and for online serving on the same server: the machine's price
+(``--price-per-core-hour`` times its cores, an assumption stated in the report) over the
+measured rows/s. Writes ``perf/results/bulk-<yyyymmdd>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -36,8 +44,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
+
+import numpy as np
 
 from perf import closed_loop, limits, repository, workloads
 from perf.report import median
@@ -49,10 +60,26 @@ TARGET_RATIO: Final = 0.9
 ONLINE_CONCURRENCY: Final = 16
 #: The project's usual instance price is $0.10/hour for this 2-core machine (perf/report.py, ``make bench``).
 DEFAULT_PRICE_PER_CORE_HOUR: Final = 0.05
-#: The served model: every core, no row cache, ONNX Runtime not spin-waiting.
-SERVED_PARAMETERS: Final = {**repository.SINGLE_MODEL_THREADS, **repository.NO_CACHE, "thread_spinning": "false"}
-#: Systems measured per round, in order.
-SYSTEMS: Final = ("limit", "bulk", "bulk-est", "online")
+#: Texts per workload: enough for each bulk job to run 10-20 s here, so that its fixed costs (reading the
+#: file, counting tokens, merging the output) weigh as they would on a real job.
+DEFAULT_COUNTS: Final = {"queries": 10000, "documents": 3000}
+#: Every served variant: no row cache, ONNX Runtime not spin-waiting.
+SERVED_PARAMETERS: Final = {**repository.NO_CACHE, "thread_spinning": "false"}
+#: Served layouts of the two cores: model name -> (instances, ONNX Runtime intra-op threads; 0: every core).
+LAYOUTS: Final = {"1x2": (1, 0), "2x1": (2, 1)}
+#: Systems measured per round, in order, and the layout each goes through.
+SYSTEMS: Final = ("limit", "bulk", "bulk-1x2", "bulk-est", "online", "online-1x2")
+SYSTEM_LAYOUT: Final = {"bulk": "2x1", "bulk-1x2": "1x2", "bulk-est": "2x1", "online": "2x1", "online-1x2": "1x2"}
+#: The shipped config's instance group, which a layout replaces.
+INSTANCE_GROUP: Final = "instance_group [ { count: 1, kind: KIND_CPU } ]"
+
+
+def layout_config(shipped: str, instances: int, threads: int) -> str:
+    """``shipped`` (the minilm config) served as ``instances`` instances of ``threads`` intra-op threads each."""
+    if INSTANCE_GROUP not in shipped:
+        raise ValueError(f"the config has no {INSTANCE_GROUP!r} to replace")
+    config = shipped.replace(INSTANCE_GROUP, f"instance_group [ {{ count: {instances}, kind: KIND_CPU }} ]")
+    return repository.with_parameters(config, {**SERVED_PARAMETERS, "intra_op_threads": str(threads)})
 
 
 def corpus_rows(texts: Sequence[str], prefix: str) -> list[dict[str, str]]:
@@ -73,6 +100,33 @@ def cost_per_million_rows(rows_per_s: float, price_per_core_hour: float, cores: 
     if rows_per_s <= 0:
         return float("inf")
     return price_per_core_hour * cores / (rows_per_s * 3600.0) * 1e6
+
+
+def deal(groups: Sequence[np.ndarray], workers: int) -> list[list[np.ndarray]]:
+    """``groups`` dealt out in turn to ``workers`` (each gets every ``workers``-th, so all get alike lengths)."""
+    return [list(groups[k::workers]) for k in range(workers)]
+
+
+def parallel_limit(pipelines: Sequence[Any], texts: Sequence[str]) -> tuple[float, str]:
+    """Rows/s of one-thread pipelines side by side: the corpus tokenised once and sorted, fixed cuts dealt out.
+
+    The best of fixed cuts 8/16/32/64; each pipeline runs its share of the passes in its own
+    thread (ONNX Runtime and the tokenizer release the GIL).
+    """
+    options: dict[str, float] = {}
+    with ThreadPoolExecutor(max_workers=len(pipelines)) as pool:
+        for batch in limits.FIXED_BATCH_SIZES:
+            start = time.perf_counter()
+            prepared = pipelines[0].task.prepare(list(texts))
+            order = np.argsort(prepared.lengths, kind="stable")
+            shares = deal([order[i:i + batch] for i in range(0, len(order), batch)], len(pipelines))
+            runs = [pool.submit(limits.run_passes, pipeline, prepared, share)
+                    for pipeline, share in zip(pipelines, shares, strict=True)]
+            for run in runs:
+                run.result()
+            options[f"{len(pipelines)} x 1 thread, sorted, fixed {batch}"] = len(texts) / (time.perf_counter() - start)
+    best = max(options, key=lambda k: options[k])
+    return options[best], best
 
 
 def batch_command(python: Path, grpc_url: str, model: str, source: Path, output: Path,
@@ -100,8 +154,9 @@ def summarize(points: Sequence[Mapping[str, Any]], profiles: Sequence[str], *, p
                 ratios = [rate / limit[r] for r, rate in rates[system].items() if limit.get(r)]
                 summary[f"{system}_over_limit_rounds"] = ratios
                 summary[f"{system}_over_limit"] = median(ratios)
-        bulk, online = summary["bulk_rows_per_s"], summary["online_rows_per_s"]
-        summary["bulk_over_online"] = bulk / online if bulk and online else None
+        for bulk, online in (("bulk", "online"), ("bulk-1x2", "online-1x2")):
+            a, b = summary[f"{bulk}_rows_per_s"], summary[f"{online}_rows_per_s"]
+            summary[f"{bulk}_over_{online}"] = a / b if a and b else None
         summary["met"] = summary["bulk_over_limit"] is not None and summary["bulk_over_limit"] >= TARGET_RATIO
         rows.append(summary)
     return rows
@@ -118,31 +173,43 @@ def _times(value: float | None) -> str:
 def markdown(run: Mapping[str, Any]) -> str:
     """The report: a table per workload, how the limit was reached and how the job spent its time."""
     price, cores = run["price_per_core_hour"], run["cores"]
+    counts = ", ".join(f"{count} {profile}" for profile, count in run["counts"].items())
     lines = [f"# Bulk jobs against the offline limit ({run['date']})", "",
-             f"`{run['command']}` on {run['machine']}, {run['rounds']} round(s); corpora of {run['count']} distinct "
-             f"texts per workload (seed {run['seed']}). One tritonserver serves `{run['model']}`: the shipped minilm "
-             "config on every core, without its row cache and with ONNX Runtime not spin-waiting.", "",
+             f"`{run['command']}` on {run['machine']}, {run['rounds']} round(s); corpora of {counts} (distinct "
+             f"texts, seed {run['seed']}). One tritonserver serves minilm (INT8, as shipped) without its row cache "
+             "and with ONNX Runtime not spin-waiting, in two layouts of the cores: `2x1` (two instances of one "
+             "thread) and `1x2` (one instance on every core).", "",
              f"- `limit`: {run['limit_note']}",
              "- `bulk`: `coalesce-client batch --tokenizer <minilm's tokenizer.json>` over the corpus as JSONL into "
-             "Parquet (a subprocess; rows/s of the job's whole run: reading, sorting, sending and the merged "
-             "output), concurrency found by the job. `bulk-est`: the same without `--tokenizer` (rows sorted by "
-             "estimated token counts).",
+             "Parquet through `2x1` (a subprocess; rows/s of the job's whole run: reading, counting tokens, "
+             "sending and the merged output; Python's start-up not), concurrency found by the job. `bulk-1x2`: the "
+             "same through `1x2`. `bulk-est`: through `2x1` without `--tokenizer` (rows sorted by estimated token "
+             "counts).",
              f"- `online`: one text per HTTP request, closed loop at concurrency {ONLINE_CONCURRENCY}, "
-             f"{run['online_duration_s']:g} s after a warm-up, same server and texts.",
+             f"{run['online_duration_s']:g} s after a warm-up, same server and texts, through `2x1` (`online-1x2`: "
+             "through `1x2`).",
              f"- cost: an assumed ${price:g} per core-hour x {cores} cores = ${price * cores:g}/hour for the machine; "
              "$ per 1M rows = that / (rows/s x 3600) x 1e6. Client and server share the same cores, so this is "
              "the whole job's cost.", "",
-             "| workload | limit rows/s | bulk rows/s | bulk / limit (target >= 0.9) | bulk-est rows/s (/ limit) | "
-             "online c=16 rows/s | $/1M rows bulk | $/1M rows online | bulk / online |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| workload | limit rows/s | bulk rows/s | bulk / limit (target >= 0.9) | bulk-1x2 (/ limit) | "
+             "bulk-est (/ limit) | online c=16 | $/1M rows bulk | $/1M rows online | bulk / online |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in run["summary"]:
         rounds = ", ".join(f"{r:.2f}" for r in row["bulk_over_limit_rounds"])
         verdict = "met" if row["met"] else "missed"
         lines.append(f"| {row['profile']} | {_fmt(row['limit_rows_per_s'])} | {_fmt(row['bulk_rows_per_s'])} | "
                      f"**{_fmt(row['bulk_over_limit'], 2)}** ({verdict}; rounds {rounds}) | "
+                     f"{_fmt(row['bulk-1x2_rows_per_s'])} ({_fmt(row['bulk-1x2_over_limit'], 2)}) | "
                      f"{_fmt(row['bulk-est_rows_per_s'])} ({_fmt(row['bulk-est_over_limit'], 2)}) | "
                      f"{_fmt(row['online_rows_per_s'])} | {_fmt(row['bulk_cost_per_m_rows'], 3)} | "
                      f"{_fmt(row['online_cost_per_m_rows'], 3)} | {_times(row['bulk_over_online'])} |")
+    lines += ["", "On the one-instance layout (`1x2`), bulk and online side by side:", "",
+              "| workload | bulk-1x2 rows/s | online-1x2 c=16 rows/s | $/1M rows bulk-1x2 | $/1M rows online-1x2 | "
+              "bulk / online |", "| --- | --- | --- | --- | --- | --- |"]
+    for row in run["summary"]:
+        lines.append(f"| {row['profile']} | {_fmt(row['bulk-1x2_rows_per_s'])} | "
+                     f"{_fmt(row['online-1x2_rows_per_s'])} | {_fmt(row['bulk-1x2_cost_per_m_rows'], 3)} | "
+                     f"{_fmt(row['online-1x2_cost_per_m_rows'], 3)} | {_times(row['bulk-1x2_over_online-1x2'])} |")
     lines += ["", "Per round:", "", "| round | workload | system | rows/s | detail |",
               "| --- | --- | --- | --- | --- |"]
     for point in run["points"]:
@@ -171,18 +238,35 @@ def bulk_point(python: Path, grpc_url: str, model: str, source: Path, workdir: P
     if report["output_rows"] != report["rows"] or report["rejected"]:
         raise RuntimeError(f"the bulk job wrote {report['output_rows']} of {report['rows']} rows: {done.stderr}")
     return {"rows_per_s": report["rows_per_s"], "outside_s": outside_s, "report": report,
-            "detail": f"job {report['wall_s']:.1f} s (read {report['read_s']:.2f}, sort and send "
-                      f"{report['send_s']:.1f}, "
-                      f"merge {report['merge_s']:.2f}); {report['requests']} requests; concurrency "
-                      f"{report['concurrency']} (windows {report['concurrency_history']}); process "
-                      f"{outside_s:.1f} s"}
+            "detail": f"job {report['wall_s']:.1f} s (read {report['read_s']:.2f}, count tokens and send "
+                      f"{report['send_s']:.1f}, merge {report['merge_s']:.2f}); {report['requests']} requests; "
+                      f"concurrency {report['concurrency']} (windows at {[c for c, _ in report['concurrency_history']]}"
+                      f"); process {outside_s:.1f} s"}
+
+
+def online_point(url: str, texts: Sequence[str], duration_s: float) -> dict[str, Any]:
+    """Closed-loop HTTP at ``ONLINE_CONCURRENCY``, one text per request."""
+    bodies = closed_loop.encode_bodies(texts, closed_loop.kserve_text)
+    summary = closed_loop.closed_loop(url, bodies, ONLINE_CONCURRENCY, duration_s=duration_s, warmup_s=2.0).summary()
+    return {"rows_per_s": summary["throughput_per_s"], "online": summary,
+            "detail": f"p50 {_fmt(summary['p50_ms'])} ms, p99 {_fmt(summary['p99_ms'])} ms, {summary['errors']} errors"}
+
+
+def limit_point(single: Mapping[str, Any], parallel: Sequence[Any], texts: Sequence[str]) -> dict[str, Any]:
+    """The best in-process rate over every variant, and each variant's."""
+    measured = {f"1 x every core, spinning {spin}": limits.limit(pipeline, texts) for spin, pipeline in single.items()}
+    measured["2 x 1 thread"] = parallel_limit(parallel, texts)
+    best = max(measured, key=lambda k: measured[k][0])
+    return {"rows_per_s": measured[best][0], "variants": {k: list(v) for k, v in measured.items()},
+            "detail": "; ".join(f"{k}: {v[0]:.1f} ({v[1]})" for k, v in measured.items())}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Build the corpora, serve the model, measure limit, bulk and online per round, write the report."""
+    """Build the corpora, serve both layouts, measure every system per round, write the report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profiles", nargs="+", default=["queries", "documents"], choices=workloads.PROFILES[:2])
-    parser.add_argument("--count", type=int, default=3000, help="texts per workload")
+    parser.add_argument("--count", type=int, help="texts per workload (default: queries "
+                        f"{DEFAULT_COUNTS['queries']}, documents {DEFAULT_COUNTS['documents']})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--online-duration-s", type=float, default=15.0)
@@ -194,11 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     today = datetime.date.today().strftime("%Y%m%d")
     name = args.run or f"bulk-{today}"
     cores = len(os.sched_getaffinity(0))
-    model = "minilm"
-    config = repository.with_parameters(repository.single_model_config(), SERVED_PARAMETERS)
+    shipped = (repository.MINILM / "config.pbtxt").read_text()
+    configs = {f"minilm_{layout}": layout_config(shipped, *shape) for layout, shape in LAYOUTS.items()}
     tokenizer = repository.MINILM / "1" / "tokenizer.json"
     workdir = Path(tempfile.mkdtemp(prefix="coalesce-bulk-"))
-    corpora = {profile: workloads.generate(profile, args.count, args.seed) for profile in args.profiles}
+    counts = {profile: args.count or DEFAULT_COUNTS[profile] for profile in args.profiles}
+    corpora = {profile: workloads.generate(profile, counts[profile], args.seed) for profile in args.profiles}
     sources = {profile: write_jsonl(corpus_rows(texts, profile), workdir / f"{profile}.jsonl")
                for profile, texts in corpora.items()}
     points: list[dict[str, Any]] = []
@@ -209,47 +294,42 @@ def main(argv: list[str] | None = None) -> int:
                          f"rows/s {point.get('detail', '')}\n")
         sys.stdout.flush()
 
-    # In process, both ways ONNX Runtime's threads may wait for work: the limit is the better one.
-    pipelines = {spin: limits.make_pipeline(repository.MINILM / "1", thread_spinning=spin)
-                 for spin in ("true", "false")}
-    for pipeline in pipelines.values():
+    version = repository.MINILM / "1"
+    single = {spin: limits.make_pipeline(version, thread_spinning=spin) for spin in ("true", "false")}
+    parallel = [limits.make_pipeline(version, intra_op_threads="1", thread_spinning="false") for _ in range(2)]
+    for pipeline in (*single.values(), *parallel):
         limits.embed_each(pipeline, corpora[args.profiles[0]][:64])  # warm-up
     try:
-        with repository.serve({model: config}, prefix="coalesce-bulk-repo-") as server:
-            url = f"http://{server.http_url}/v2/models/{model}/infer"
+        with repository.serve(configs, prefix="coalesce-bulk-repo-") as server:
+            urls = {layout: f"http://{server.http_url}/v2/models/minilm_{layout}/infer" for layout in LAYOUTS}
             warm = closed_loop.encode_bodies(corpora[args.profiles[0]][:64], closed_loop.kserve_text)
-            closed_loop.closed_loop(url, warm, 4, request_count=64)
+            for url in urls.values():
+                closed_loop.closed_loop(url, warm, 4, request_count=64)
             for round_index in range(args.rounds):
                 for profile, texts in corpora.items():
-                    measured = {spin: limits.limit(pipeline, texts) for spin, pipeline in pipelines.items()}
-                    spin = max(measured, key=lambda k: measured[k][0])
-                    record({"round": round_index, "profile": profile, "system": "limit",
-                            "rows_per_s": measured[spin][0],
-                            "detail": "; ".join(f"spinning {k}: {v[0]:.1f} ({v[1]})" for k, v in measured.items())})
-                    for system, with_tokenizer in (("bulk", tokenizer), ("bulk-est", None)):
-                        point = bulk_point(Path(sys.executable), server.grpc_url, model, sources[profile], workdir,
-                                           with_tokenizer)
-                        record({"round": round_index, "profile": profile, "system": system, **point})
-                    bodies = closed_loop.encode_bodies(texts, closed_loop.kserve_text)
-                    result = closed_loop.closed_loop(url, bodies, ONLINE_CONCURRENCY,
-                                                     duration_s=args.online_duration_s, warmup_s=2.0)
-                    summary = result.summary()
-                    record({"round": round_index, "profile": profile, "system": "online",
-                            "rows_per_s": summary["throughput_per_s"], "online": summary,
-                            "detail": f"p50 {_fmt(summary['p50_ms'])} ms, p99 {_fmt(summary['p99_ms'])} ms, "
-                                      f"{summary['errors']} errors"})
+                    here = {"round": round_index, "profile": profile}
+                    record({**here, "system": "limit", **limit_point(single, parallel, texts)})
+                    for system in ("bulk", "bulk-1x2", "bulk-est"):
+                        point = bulk_point(Path(sys.executable), server.grpc_url,
+                                           f"minilm_{SYSTEM_LAYOUT[system]}", sources[profile], workdir,
+                                           None if system == "bulk-est" else tokenizer)
+                        record({**here, "system": system, **point})
+                    for system in ("online", "online-1x2"):
+                        record({**here, "system": system,
+                                **online_point(urls[SYSTEM_LAYOUT[system]], texts, args.online_duration_s)})
     finally:
-        for pipeline in pipelines.values():
+        for pipeline in (*single.values(), *parallel):
             pipeline.close()
     run = {"date": today, "command": "python -m perf.bulk " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": f"{platform.machine()}, {cores} cores", "cores": cores, "rounds": args.rounds,
-           "count": args.count, "seed": args.seed, "model": model, "online_duration_s": args.online_duration_s,
+           "counts": counts, "seed": args.seed, "online_duration_s": args.online_duration_s,
            "price_per_core_hour": args.price_per_core_hour,
-           "limit_note": "perf.limits.limit: the whole corpus tokenised and sorted by length, the best of fixed "
-                         f"cuts {'/'.join(map(str, limits.FIXED_BATCH_SIZES))} and DP cuts over the whole corpus "
-                         "(no server, no client, no file), with ONNX Runtime spin-waiting or not, whichever was "
-                         "faster that round",
-           "points": points,
+           "limit_note": "the best of perf.limits.limit (the served pipeline on every core, spin-waiting or not: the "
+                         "whole corpus tokenised and sorted by length, the best of fixed cuts "
+                         f"{'/'.join(map(str, limits.FIXED_BATCH_SIZES))} and DP cuts over the whole corpus) and of "
+                         "two one-thread pipelines side by side (the same sorted corpus, the best fixed cuts dealt out "
+                         "in turn); no server, no client, no file",
+           "configs": configs, "points": points,
            "summary": summarize(points, args.profiles, price_per_core_hour=args.price_per_core_hour, cores=cores)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(run, indent=1) + "\n")

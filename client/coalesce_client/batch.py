@@ -658,17 +658,19 @@ def plan_requests(lengths: Sequence[int] | np.ndarray, sizes: Sequence[int] | np
 
 
 class ConcurrencySearch:
-    """Finds the number of requests in flight that gives the most rows/s, by measuring.
+    """Finds the number of requests in flight that gives the most work done per second, by measuring.
 
-    Hill-climbing: measure a window at the current concurrency, double it while a window
-    gains at least ``gain`` over the best so far, then hold the best. While holding, every
-    ``reprobe_windows`` windows it tries the next level up once more, so a server that got
-    faster (a neighbour finished) is used. The first answers after a change were sent under
-    the old concurrency and are not counted.
+    Work is what the caller counts per answered request; a job counts padded tokens (rows x
+    the request's longest row), so that a window of long rows and a window of short ones
+    compare fairly. Hill-climbing: measure a window at the current concurrency, double it
+    while a window gains at least ``gain`` over the best so far, then hold the best. While
+    holding, every ``reprobe_windows`` windows it tries the next level up once more, so a
+    server that got faster (a neighbour finished) is used. The first answers after a change
+    were sent under the old concurrency and are not counted.
 
     Example:
         >>> search = ConcurrencySearch(start=2, maximum=16)
-        >>> search.record(rows=64, now=0.5)  # returns the concurrency to use from now on
+        >>> search.record(work=640, now=0.5)  # returns the concurrency to use from now on
         2
     """
 
@@ -684,12 +686,12 @@ class ConcurrencySearch:
         self.target = start
         self.best_target, self.best_rate = start, 0.0
         self.climbing = True
-        self.history: list[tuple[int, float]] = []  # (concurrency, rows/s) of every window
+        self.history: list[tuple[int, float]] = []  # (concurrency, work/s) of every window
         self._held_windows = 0
         self._probing = False
         self._skip = 0
         self._window_start: float | None = None
-        self._rows = 0
+        self._work = 0
         self._requests = 0
 
     def _change(self, target: int) -> None:
@@ -697,8 +699,8 @@ class ConcurrencySearch:
         self.target = target
         self._window_start = None
 
-    def record(self, rows: int, now: float) -> int:
-        """Count one answered request of ``rows`` rows at time ``now`` (seconds); returns the concurrency to use."""
+    def record(self, work: int, now: float) -> int:
+        """Count one answered request of ``work`` units at time ``now`` (seconds); returns the concurrency to use."""
         if self._skip > 0:
             self._skip -= 1
             if self._skip == 0:
@@ -706,16 +708,16 @@ class ConcurrencySearch:
             return self.target
         if self._window_start is None:
             # The window opens at its first counted answer: the time before it was the pipeline filling.
-            self._window_start, self._rows, self._requests = now, 0, 0
+            self._window_start, self._work, self._requests = now, 0, 0
             return self.target
-        self._rows += rows
+        self._work += work
         self._requests += 1
         elapsed = now - self._window_start
         if elapsed < self.window_s or self._requests < max(self.min_requests, self.target):
             return self.target
-        rate = self._rows / elapsed
+        rate = self._work / elapsed
         self.history.append((self.target, rate))
-        self._window_start, self._rows, self._requests = now, 0, 0
+        self._window_start, self._work, self._requests = now, 0, 0
         self._decide(rate)
         return self.target
 
@@ -747,7 +749,7 @@ class ConcurrencySearch:
         return self.target
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # endpoints are told apart by identity, not by their counts
 class Endpoint:
     """One server of a job: its client, requests in flight, and until when it is left alone."""
 
@@ -809,6 +811,16 @@ def output_schema(io: ModelIO, id_column: str, id_kind: str) -> pa.Schema:
                      metadata=metadata)
 
 
+def _parquet_options(schema: pa.Schema, compression: str) -> dict[str, Any]:
+    """Parquet writer options: no dictionary (ids are unique, values distinct), statistics for the ids only.
+
+    Measured on 4096 rows of 384 floats: 11 ms a write, against 43 with pyarrow's defaults,
+    which try a dictionary and keep min/max for every value; the job writes on the cores the
+    server computes on.
+    """
+    return {"compression": compression, "use_dictionary": False, "write_statistics": [schema.field(0).name]}
+
+
 def _fsync_replace(temporary: Path, final: Path) -> None:
     with open(temporary, "rb") as stream:
         os.fsync(stream.fileno())
@@ -863,7 +875,7 @@ class PartWriter:
         table = pa.Table.from_arrays([pa.array(ids.tolist(), type=id_field.type), column], schema=self.schema)
         final = self.directory / f"{PART_PREFIX}{self._next:06d}.parquet"
         temporary = final.with_suffix(".tmp")
-        pq.write_table(table, temporary)
+        pq.write_table(table, temporary, **_parquet_options(self.schema, "none"))  # parts are read once
         _fsync_replace(temporary, final)
         self._next += 1
         self._ids, self._values = [], []
@@ -888,7 +900,7 @@ def finished_ids(directory: Path, id_column: str) -> set[Id]:
     done: set[Id] = set()
     count = 0
     for part in part_files(directory):
-        ids = pq.read_table(part, columns=[id_column]).column(0).to_pylist()
+        ids = pq.ParquetFile(part).read(columns=[id_column]).column(0).to_pylist()
         count += len(ids)
         done.update(ids)
     if len(done) != count:
@@ -906,9 +918,12 @@ def merge_parts(directory: Path, output: Path, schema: pa.Schema) -> int:
     temporary = output.with_name(output.name + ".tmp")
     seen: set[Id] = set()
     rows = 0
-    with pq.ParquetWriter(temporary, schema) as writer:
+    # zstd: vectors of floats shrink by about a tenth (snappy, Parquet's default, gains nothing on them).
+    with pq.ParquetWriter(temporary, schema, **_parquet_options(schema, "zstd")) as writer:
         for part in part_files(directory):
-            table = pq.read_table(part).cast(schema)
+            table = pq.ParquetFile(part).read()
+            if not table.schema.equals(schema):
+                table = table.cast(schema)
             ids = table.column(0).to_pylist()
             seen.update(ids)
             rows += len(ids)
@@ -986,7 +1001,7 @@ class BatchReport:
         output_rows: Rows of the merged output.
         requests: Requests this run sent (split and retried ones included).
         concurrency: Requests in flight at the end.
-        concurrency_history: ``(concurrency, rows/s)`` of every window the search measured.
+        concurrency_history: ``(concurrency, padded tokens/s)`` of every window the search measured.
         read_s: Seconds reading the input.
         send_s: Seconds from the first request to the last answer written.
         merge_s: Seconds merging the parts.
@@ -1125,6 +1140,7 @@ class _Sender:
         self.ids = np.array(rows.ids, dtype=object)
         self.texts = _object_column(rows.texts)
         self.pairs = _object_column(rows.pairs) if rows.pairs is not None else None
+        self.lengths = np.zeros(len(rows), dtype=np.int64)  # tokens of each row to send (counted or estimated)
         start = min(options.max_concurrency, options.concurrency or 2 * len(pool.endpoints))
         self.search = None if options.concurrency else ConcurrencySearch(start=start,
                                                                          maximum=options.max_concurrency)
@@ -1146,6 +1162,7 @@ class _Sender:
         pairs = [self.rows.pairs[i] for i in todo] if self.rows.pairs is not None else None
         lengths = row_lengths(texts, pairs, tokenizer=self.options.tokenizer,
                               max_tokens=self.io.max_sequence_length)
+        self.lengths[todo] = lengths
         sizes = np.array([len(t) for t in texts], dtype=np.int64)
         if pairs is not None:
             sizes += np.array([len(p) for p in pairs], dtype=np.int64)
@@ -1221,8 +1238,8 @@ class _Sender:
         endpoint.requests += 1
         endpoint.rows += len(chunk)
         self.writer.add(self.ids[chunk], values.reshape(len(chunk), self.io.width).astype(self.io.dtype, copy=False))
-        if self.search is not None:
-            self.target = self.search.record(len(chunk), self.clock())
+        if self.search is not None:  # work: the request's padded tokens
+            self.target = self.search.record(len(chunk) * int(self.lengths[chunk].max()), self.clock())
         self.progress.update(len(chunk), self.target)
 
     def _refused(self, chunk: np.ndarray, error: ClientError) -> None:
