@@ -124,7 +124,7 @@ def parallel_limit(pipelines: Sequence[Any], texts: Sequence[str]) -> tuple[floa
                     for pipeline, share in zip(pipelines, shares, strict=True)]
             for run in runs:
                 run.result()
-            options[f"{len(pipelines)} x 1 thread, sorted, fixed {batch}"] = len(texts) / (time.perf_counter() - start)
+            options[f"sorted, fixed {batch}"] = len(texts) / (time.perf_counter() - start)
     best = max(options, key=lambda k: options[k])
     return options[best], best
 
