@@ -484,6 +484,8 @@ class ModelIO:
         max_request_bytes: The model's ``max_request_bytes`` (the backend's default where unset).
         max_sequence_length: The model's ``max_sequence_length`` (where its config sets it): the
             tokens a row is truncated to, so rows longer than it cost the same.
+        max_batch_tokens: The model's ``max_batch_tokens`` (where its config sets it): the most
+            padded tokens of one forward pass.
     """
 
     model: str
@@ -495,6 +497,7 @@ class ModelIO:
     max_rows: int
     max_request_bytes: int
     max_sequence_length: int | None = None
+    max_batch_tokens: int | None = None
 
     @property
     def width(self) -> int:
@@ -573,7 +576,8 @@ def model_io(config: Mapping[str, Any], *, output: str | None = None, pair: bool
     return ModelIO(model=name, text_input=text_input, pair_input=pair_input, output=output, output_dims=dims,
                    output_type=kind, max_rows=max_rows,
                    max_request_bytes=parameter("max_request_bytes") or DEFAULT_MAX_REQUEST_BYTES,
-                   max_sequence_length=parameter("max_sequence_length"))
+                   max_sequence_length=parameter("max_sequence_length"),
+                   max_batch_tokens=parameter("max_batch_tokens"))
 
 
 # --- planning and concurrency --------------------------------------------------------------------------------
@@ -618,43 +622,61 @@ def row_lengths(texts: Sequence[bytes], pairs: Sequence[bytes] | None, *, tokeni
         counts: list[int] = []
         for start in range(0, len(texts), _TOKENIZER_BATCH):
             chunk = [t.decode("utf-8") for t in texts[start:start + _TOKENIZER_BATCH]]
+            batch: list[Any] = chunk
             if pairs is not None:
-                second = [p.decode("utf-8") for p in pairs[start:start + _TOKENIZER_BATCH]]
-                encodings = counter.encode_batch(list(zip(chunk, second, strict=True)))
-            else:
-                encodings = counter.encode_batch(chunk)
+                batch = list(zip(chunk, [p.decode("utf-8") for p in pairs[start:start + _TOKENIZER_BATCH]],
+                                 strict=True))
+            # encode_batch_fast (tokenizers >= 0.21) skips the character offsets, which a count does not need.
+            encode = getattr(counter, "encode_batch_fast", counter.encode_batch)
+            encodings = encode(batch)
             counts.extend(len(e.ids) for e in encodings)
         lengths = np.array(counts, dtype=np.int64)
     return np.minimum(lengths, max_tokens) if max_tokens else lengths
 
 
 def plan_requests(lengths: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray, *, max_rows: int,
-                  max_bytes: int, seed: int | None = 0) -> list[np.ndarray]:
-    """Row indices of each request: rows sorted by ``lengths``, cut into runs within ``max_rows`` and ``max_bytes``.
+                  max_bytes: int, max_tokens: int | None = None, seed: int | None = 0) -> list[np.ndarray]:
+    """Row indices of each request: rows sorted by ``lengths``, cut into runs within every bound.
 
-    ``lengths`` are the rows' tokens (the sort key), ``sizes`` their bytes. A row larger than
-    ``max_bytes`` goes alone (the server then says what is wrong with it).
-    The requests are returned in a random order drawn from ``seed`` (None: in length order),
-    so that rows/s stays steady over a job rather than falling from the shortest rows to
-    the longest.
+    ``lengths`` are the rows' tokens (the sort key), ``sizes`` their bytes. A request holds
+    at most ``max_rows`` rows, ``max_bytes`` bytes and ``max_tokens`` padded tokens (rows x
+    its longest row: one forward pass of the model's planner); a row over a bound alone goes
+    alone (the server then says what is wrong with it).
+
+    The requests are returned in a random order drawn from ``seed``, so that rows/s stays
+    steady over a job rather than falling from the shortest rows to the longest, except that
+    the cheapest tenth (by padded tokens) come last, in random order too: the job's last
+    requests then finish close together instead of one long request keeping a server busy
+    alone at the end. ``seed`` None: in length order.
     """
-    if max_rows < 1 or max_bytes < 1:
-        raise ValueError(f"max_rows and max_bytes must be at least 1, got {max_rows} and {max_bytes}")
+    if max_rows < 1 or max_bytes < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"max_rows, max_bytes and max_tokens must be at least 1, got {max_rows}, {max_bytes} "
+                         f"and {max_tokens}")
+    lengths = np.asarray(lengths, dtype=np.int64)
     sizes = np.asarray(sizes, dtype=np.int64)
-    order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
+    order = np.argsort(lengths, kind="stable")
     requests: list[np.ndarray] = []
     start, total = 0, 0
     for position, row in enumerate(order):
-        size = int(sizes[row])
-        if position > start and (position - start >= max_rows or total + size > max_bytes):
+        size, rows = int(sizes[row]), position - start
+        if rows and (rows >= max_rows or total + size > max_bytes
+                     or (max_tokens is not None and (rows + 1) * int(lengths[row]) > max_tokens)):
             requests.append(order[start:position])
             start, total = position, 0
         total += size
     if start < len(order):
         requests.append(order[start:])
-    if seed is not None:
-        random.Random(seed).shuffle(requests)
-    return requests
+    if seed is None:
+        return requests
+    rng = random.Random(seed)
+    cost = [len(r) * int(lengths[r[-1]]) for r in requests]  # padded tokens: the last row is the longest
+    by_cost = sorted(range(len(requests)), key=lambda i: cost[i])
+    tail = set(by_cost[:len(requests) // 10])
+    body = [r for i, r in enumerate(requests) if i not in tail]
+    end = [r for i, r in enumerate(requests) if i in tail]
+    rng.shuffle(body)
+    rng.shuffle(end)
+    return body + end
 
 
 class ConcurrencySearch:
@@ -827,17 +849,59 @@ def _fsync_replace(temporary: Path, final: Path) -> None:
     os.replace(temporary, final)
 
 
+class OutputFile:
+    """The job's output, written as the job goes: the parts of earlier runs first, then each new part's rows.
+
+    It is written to ``<output>.tmp`` and renamed into place only when the job is done, so
+    the output exists only whole; a killed run's torn ``.tmp`` is written afresh by the next
+    run, from the part files. Writing it along the way leaves nothing to merge at the end,
+    when the server would stand idle.
+    """
+
+    def __init__(self, output: Path, schema: pa.Schema) -> None:
+        """Open ``<output>.tmp`` for rows of ``schema``."""
+        self.output, self.schema = output, schema
+        self.temporary = output.with_name(output.name + ".tmp")
+        # zstd: vectors of floats shrink by about a tenth (snappy, Parquet's default, gains nothing on them).
+        self._writer = pq.ParquetWriter(self.temporary, schema, **_parquet_options(schema, "zstd"))
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        """Append ``table``'s rows."""
+        if not table.schema.equals(self.schema):
+            table = table.cast(self.schema)
+        self._writer.write_table(table)
+        self.rows += table.num_rows
+
+    def copy_parts(self, directory: Path) -> int:
+        """Append the rows of every part file in ``directory`` (an earlier run's); returns how many."""
+        before = self.rows
+        for part in part_files(directory):
+            self.write(pq.ParquetFile(part).read())
+        return self.rows - before
+
+    def commit(self) -> None:
+        """Finish the file and move it into place."""
+        self._writer.close()
+        _fsync_replace(self.temporary, self.output)
+
+    def discard(self) -> None:
+        """Close and remove the unfinished file (the part files keep the rows)."""
+        self._writer.close()
+        self.temporary.unlink(missing_ok=True)
+
+
 class PartWriter:
     """Buffers answers and writes them as numbered Parquet part files, each whole or not at all.
 
     A part is written to a temporary name, synced and renamed, so a killed job leaves
-    only complete parts behind.
+    only complete parts behind. Each part's rows also go to ``sink``, the output file.
     """
 
     def __init__(self, directory: Path, schema: pa.Schema, *, part_rows: int, part_interval_s: float,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, sink: OutputFile | None = None) -> None:
         """Write parts of ``schema`` into ``directory``, numbered after the ones there."""
-        self.directory, self.schema = directory, schema
+        self.directory, self.schema, self.sink = directory, schema, sink
         self.part_rows, self.part_interval_s, self._clock = part_rows, part_interval_s, clock
         numbers = [int(p.stem[len(PART_PREFIX):]) for p in directory.glob(f"{PART_PREFIX}*.parquet")]
         self._next = max(numbers, default=0) + 1
@@ -875,8 +939,10 @@ class PartWriter:
         table = pa.Table.from_arrays([pa.array(ids.tolist(), type=id_field.type), column], schema=self.schema)
         final = self.directory / f"{PART_PREFIX}{self._next:06d}.parquet"
         temporary = final.with_suffix(".tmp")
-        pq.write_table(table, temporary, **_parquet_options(self.schema, "none"))  # parts are read once
+        pq.write_table(table, temporary, **_parquet_options(self.schema, "none"))  # parts are read once, if ever
         _fsync_replace(temporary, final)
+        if self.sink is not None:
+            self.sink.write(table)
         self._next += 1
         self._ids, self._values = [], []
         rows, self.buffered = self.buffered, 0
@@ -907,31 +973,6 @@ def finished_ids(directory: Path, id_column: str) -> set[Id]:
         raise BatchJobError(f"{directory} holds {count - len(done)} ids twice: its parts are not one job's; "
                             "remove the folder or pass --restart")
     return done
-
-
-def merge_parts(directory: Path, output: Path, schema: pa.Schema) -> int:
-    """Write every part of ``directory`` into ``output`` (through a temporary file); returns its rows.
-
-    Raises:
-        BatchJobError: An id is in two parts.
-    """
-    temporary = output.with_name(output.name + ".tmp")
-    seen: set[Id] = set()
-    rows = 0
-    # zstd: vectors of floats shrink by about a tenth (snappy, Parquet's default, gains nothing on them).
-    with pq.ParquetWriter(temporary, schema, **_parquet_options(schema, "zstd")) as writer:
-        for part in part_files(directory):
-            table = pq.ParquetFile(part).read()
-            if not table.schema.equals(schema):
-                table = table.cast(schema)
-            ids = table.column(0).to_pylist()
-            seen.update(ids)
-            rows += len(ids)
-            if len(seen) != rows:
-                raise BatchJobError(f"{part} repeats ids of an earlier part; remove {directory} or pass --restart")
-            writer.write_table(table)
-    _fsync_replace(temporary, output)
-    return rows
 
 
 def job_state(options: BatchOptions, io: ModelIO) -> dict[str, Any]:
@@ -965,6 +1006,7 @@ def open_work_dir(options: BatchOptions, state: Mapping[str, Any]) -> bool:
         raise BatchJobError(f"{options.output_path} exists: pass --restart to compute it again, or give another "
                             "output")
     directory.mkdir(parents=True, exist_ok=True)
+    options.output_path.parent.mkdir(parents=True, exist_ok=True)
     temporary = saved_path.with_suffix(".tmp")
     temporary.write_text(json.dumps(dict(state), indent=1) + "\n")
     _fsync_replace(temporary, saved_path)
@@ -1004,7 +1046,8 @@ class BatchReport:
         concurrency_history: ``(concurrency, padded tokens/s)`` of every window the search measured.
         read_s: Seconds reading the input.
         send_s: Seconds from the first request to the last answer written.
-        merge_s: Seconds merging the parts.
+        merge_s: Seconds spent on the output file outside the sending: copying an earlier run's
+            parts in, and finishing it at the end.
         wall_s: Seconds of the whole run.
         servers: Per server: requests, rows and failures.
     """
@@ -1168,8 +1211,9 @@ class _Sender:
             sizes += np.array([len(p) for p in pairs], dtype=np.int64)
         max_rows = min(self.options.rows_per_request or self.io.max_rows, self.io.max_rows)
         max_bytes = self.options.max_request_bytes or self.io.max_request_bytes
-        self.queue.extend(todo[chunk] for chunk in plan_requests(lengths, sizes, max_rows=max_rows,
-                                                                 max_bytes=max_bytes, seed=self.options.seed))
+        plan = plan_requests(lengths, sizes, max_rows=max_rows, max_bytes=max_bytes,
+                             max_tokens=self.io.max_batch_tokens, seed=self.options.seed)
+        self.queue.extend(todo[chunk] for chunk in plan)
         executor = ThreadPoolExecutor(max_workers=self.options.max_concurrency, thread_name_prefix="coalesce-batch")
         drained = False
         try:
@@ -1314,30 +1358,40 @@ def run_batch(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
     progress = _Progress(options.progress, total=len(rows), initial=skipped)
     rejects = _Rejects(options.rejects, directory, rows.noun, say)
     pool = EndpointPool(clients, cooldown_s=options.cooldown_s)
-    writer = PartWriter(directory, schema, part_rows=options.part_rows, part_interval_s=options.part_interval_s,
-                        clock=clock)
-    sender = _Sender(options, io, rows, pool, writer, rejects, progress, say, clock)
-    send_started = clock()
+    output = OutputFile(options.output_path, schema)
+    committed = False
     try:
-        for reject in [*rows.rejects, *earlier_rejects]:
-            rejects.add(reject)
-        sender.run(todo)
+        merge_started = clock()
+        output.copy_parts(directory)
+        merge_s = clock() - merge_started
+        writer = PartWriter(directory, schema, part_rows=options.part_rows, part_interval_s=options.part_interval_s,
+                            clock=clock, sink=output)
+        sender = _Sender(options, io, rows, pool, writer, rejects, progress, say, clock)
+        send_started = clock()
+        try:
+            for reject in [*rows.rejects, *earlier_rejects]:
+                rejects.add(reject)
+            sender.run(todo)
+        finally:
+            progress.close()
+            rejects.close()
+        send_s = clock() - send_started
+        finish_started = clock()
+        expected = len(rows) - len({r.id for r in read_server_rejects(directory)})
+        if output.rows != expected:
+            raise BatchJobError(f"{directory} holds {output.rows} rows, the job {expected}: its parts were changed; "
+                                "pass --restart")
+        output.commit()
+        committed = True
     finally:
-        progress.close()
-        rejects.close()
-    send_s = clock() - send_started
-    merge_started = clock()
-    output_rows = merge_parts(directory, options.output_path, schema)
-    expected = len(rows) - len({r.id for r in read_server_rejects(directory)})
-    if output_rows != expected:
-        raise BatchJobError(f"{directory} holds {output_rows} rows, the job {expected}: its parts were changed; "
-                            "pass --restart")
+        if not committed:
+            output.discard()
     if not options.keep_parts:
         shutil.rmtree(directory)
-    merge_s = clock() - merge_started
+    merge_s += clock() - finish_started
     return BatchReport(output=str(options.output_path), rejects=str(options.rejects), rows=len(rows),
                        rejected=rejects.count, skipped=skipped, sent=len(todo), written=writer.written,
-                       output_rows=output_rows, requests=sender.requests, concurrency=sender.target,
+                       output_rows=output.rows, requests=sender.requests, concurrency=sender.target,
                        concurrency_history=list(sender.search.history) if sender.search else [], read_s=read_s,
                        send_s=send_s, merge_s=merge_s, wall_s=clock() - started,
                        servers=[{"url": e.url, "requests": e.requests, "rows": e.rows, "failures": e.failures}

@@ -24,10 +24,10 @@ from coalesce_client.batch import (
     BatchOptions,
     ConcurrencySearch,
     EndpointPool,
+    OutputFile,
     PartWriter,
     estimate_tokens,
     finished_ids,
-    merge_parts,
     model_io,
     output_schema,
     plan_requests,
@@ -47,7 +47,9 @@ PAIR_CONFIG = {"name": "minilm_rerank", "max_batch_size": 64,
                "input": [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": [1]},
                          {"name": "TEXT_PAIR", "data_type": "TYPE_STRING", "dims": [1]}],
                "output": [{"name": "SCORES", "data_type": "TYPE_FP32", "dims": [1]}],
-               "parameters": {"max_request_bytes": {"string_value": "1000"}}}
+               "parameters": {"max_request_bytes": {"string_value": "1000"},
+                              "max_sequence_length": {"string_value": "256"},
+                              "max_batch_tokens": {"string_value": "8192"}}}
 
 
 # --- readers -------------------------------------------------------------------------------------------------
@@ -178,9 +180,11 @@ def test_model_io_from_the_config():
     embed = model_io(EMBED_CONFIG)
     assert (embed.text_input, embed.pair_input, embed.output, embed.output_dims) == ("TEXT", None, "EMBEDDING", (4,))
     assert embed.max_rows == 64 and embed.max_request_bytes == 4 * 1024 * 1024 and not embed.scalar
+    assert embed.max_sequence_length is None and embed.max_batch_tokens is None
     assert embed.column == "embedding" and embed.dtype == np.float32
     pair = model_io(PAIR_CONFIG, pair=True)
     assert (pair.pair_input, pair.output, pair.scalar, pair.max_request_bytes) == ("TEXT_PAIR", "SCORES", True, 1000)
+    assert (pair.max_sequence_length, pair.max_batch_tokens) == (256, 8192)
 
 
 @pytest.mark.parametrize(("config", "kwargs", "message"), [
@@ -207,24 +211,32 @@ def test_model_io_says_why_a_model_does_not_fit(config, kwargs, message):
 # --- planning and concurrency --------------------------------------------------------------------------------
 
 
-def test_requests_hold_length_sorted_rows_within_both_bounds():
+def test_requests_hold_length_sorted_rows_within_every_bound():
     rng = random.Random(3)
     lengths = [rng.randint(1, 300) for _ in range(1001)]
     sizes = [4 * n for n in lengths[:1000]] + [5000]
-    requests = plan_requests(lengths, sizes, max_rows=64, max_bytes=4000, seed=None)
+    requests = plan_requests(lengths, sizes, max_rows=64, max_bytes=4000, max_tokens=4096, seed=None)
     everything = np.concatenate(requests)
     assert sorted(everything.tolist()) == list(range(len(sizes)))  # every row exactly once
     for request in requests:
         assert len(request) <= 64
         assert sum(sizes[i] for i in request) <= 4000 or len(request) == 1
+        assert len(request) * max(lengths[i] for i in request) <= 4096 or len(request) == 1
     assert [1000] in [r.tolist() for r in requests]  # larger than max_bytes: alone
     in_order = [lengths[i] for i in everything]
     assert in_order == sorted(in_order)  # seed None: length order
-    shuffled = plan_requests(lengths, sizes, max_rows=64, max_bytes=4000, seed=1)
-    assert sorted(map(tuple, shuffled)) == sorted(map(tuple, requests))  # the same requests...
-    assert [r.tolist() for r in shuffled] != [r.tolist() for r in requests]  # ...in another order
-    assert [r.tolist() for r in plan_requests(lengths, sizes, max_rows=64, max_bytes=4000, seed=1)] == \
-        [r.tolist() for r in shuffled]
+    assert max(len(r) for r in plan_requests(lengths, [1] * 1001, max_rows=64, max_bytes=10**9, seed=None)) == 64
+
+
+def test_requests_go_out_shuffled_with_the_cheapest_last():
+    lengths = list(range(1, 641))  # 10 requests of 64 rows, ever longer
+    requests = plan_requests(lengths, [1] * 640, max_rows=64, max_bytes=10**6, seed=1)
+    first_rows = [int(r[0]) for r in requests]
+    assert sorted(first_rows) == list(range(0, 640, 64))
+    assert first_rows[-1] == 0  # the cheapest tenth (one request) last
+    assert first_rows[:-1] != sorted(first_rows[:-1])  # the rest in a random order...
+    assert [int(r[0]) for r in plan_requests(lengths, [1] * 640, max_rows=64, max_bytes=10**6, seed=1)] == \
+        first_rows  # ...drawn from the seed
     assert plan_requests([], [], max_rows=8, max_bytes=10) == []
 
 
@@ -323,12 +335,14 @@ def test_parts_are_whole_files_and_resuming_reads_their_ids(tmp_path):
     later.flush()
     assert [p.name for p in sorted(tmp_path.glob("part-*"))] == ["part-000001.parquet", "part-000002.parquet",
                                                                   "part-000003.parquet"]
-    output = tmp_path / "out.parquet"
-    assert merge_parts(tmp_path, output, schema) == 5
-    table = pq.read_table(output)
+    output = OutputFile(tmp_path / "out.parquet", schema)
+    assert output.copy_parts(tmp_path) == 5 and output.rows == 5
+    output.commit()
+    table = pq.read_table(tmp_path / "out.parquet")
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), 4)
     assert table.column("doc").to_pylist() == ["a", "b", "c", "d", "e"]
     assert table.schema.metadata[b"coalesce.output"] == b"EMBEDDING"
+    assert not (tmp_path / "out.parquet.tmp").exists()
     later.add(np.array(["a"], dtype=object), np.ones((1, 4), np.float32))
     later.flush()
     with pytest.raises(BatchJobError, match="holds 1 ids twice"):
