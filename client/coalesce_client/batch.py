@@ -486,6 +486,7 @@ class ModelIO:
             tokens a row is truncated to, so rows longer than it cost the same.
         max_batch_tokens: The model's ``max_batch_tokens`` (where its config sets it): the most
             padded tokens of one forward pass.
+        instances: The model's instances (``instance_group`` counts): requests it computes at once.
     """
 
     model: str
@@ -498,6 +499,7 @@ class ModelIO:
     max_request_bytes: int
     max_sequence_length: int | None = None
     max_batch_tokens: int | None = None
+    instances: int = 1
 
     @property
     def width(self) -> int:
@@ -577,7 +579,8 @@ def model_io(config: Mapping[str, Any], *, output: str | None = None, pair: bool
                    output_type=kind, max_rows=max_rows,
                    max_request_bytes=parameter("max_request_bytes") or DEFAULT_MAX_REQUEST_BYTES,
                    max_sequence_length=parameter("max_sequence_length"),
-                   max_batch_tokens=parameter("max_batch_tokens"))
+                   max_batch_tokens=parameter("max_batch_tokens"),
+                   instances=max(1, sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1))
 
 
 # --- planning and concurrency --------------------------------------------------------------------------------
@@ -1184,7 +1187,8 @@ class _Sender:
         self.texts = _object_column(rows.texts)
         self.pairs = _object_column(rows.pairs) if rows.pairs is not None else None
         self.lengths = np.zeros(len(rows), dtype=np.int64)  # tokens of each row to send (counted or estimated)
-        start = min(options.max_concurrency, options.concurrency or 2 * len(pool.endpoints))
+        # Two requests per instance: one computing, one queued behind it, so no instance waits for the client.
+        start = min(options.max_concurrency, options.concurrency or 2 * io.instances * len(pool.endpoints))
         self.search = None if options.concurrency else ConcurrencySearch(start=start,
                                                                          maximum=options.max_concurrency)
         self.target = start
@@ -1223,8 +1227,14 @@ class _Sender:
                     time.sleep(min(1.0, max(0.01, self.pool.next_up_s(self.clock()))))
                     continue
                 finished, _ = wait(self.pending, timeout=0.5, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    self._answered(future)
+                answered = [(future, *self.pending.pop(future)) for future in finished]
+                for _, endpoint, _ in answered:
+                    endpoint.in_flight -= 1
+                # Keep the servers fed first: an instance whose answer came back waits for its next request
+                # while this thread writes parts and counts.
+                self._submit(executor)
+                for future, endpoint, chunk in answered:
+                    self._answered(future, endpoint, chunk)
                 if self.writer.due():
                     self.writer.flush()
             drained = True
@@ -1259,9 +1269,7 @@ class _Sender:
             self.requests += 1
             self.pending[executor.submit(self._send, endpoint, chunk)] = (endpoint, chunk)
 
-    def _answered(self, future: Future[dict[str, np.ndarray]]) -> None:
-        endpoint, chunk = self.pending.pop(future)
-        endpoint.in_flight -= 1
+    def _answered(self, future: Future[dict[str, np.ndarray]], endpoint: Endpoint, chunk: np.ndarray) -> None:
         try:
             answer = future.result()
         except InvalidInputError as error:
