@@ -52,8 +52,10 @@ from coalesce_client.errors import (
     BatchJobError,
     ClientError,
     InvalidInputError,
+    ModelNotFoundError,
     RequestRejectedError,
     RequestTimeoutError,
+    ServerError,
     ServerUnavailableError,
 )
 
@@ -1275,10 +1277,11 @@ class _Sender:
         except InvalidInputError as error:
             self._refused(chunk, error)
             return
-        except (ServerUnavailableError, RequestTimeoutError) as error:
+        except (ServerUnavailableError, RequestTimeoutError, ServerError, ModelNotFoundError) as error:
+            # One server's trouble (gone, overloaded, its model failing or unloaded): the others may serve.
             self._unavailable(endpoint, chunk, error)
             return
-        except Exception as error:  # the model, access, a server failure or a bug: stop, keeping the work done
+        except Exception as error:  # access denied, or a bug: stop, keeping the work done
             self.fatal = self.fatal or error
             return
         values = np.asarray(answer[self.io.output])
@@ -1309,7 +1312,11 @@ class _Sender:
         self.progress.update(1, self.target)
 
     def _unavailable(self, endpoint: Endpoint, chunk: np.ndarray, error: ClientError) -> None:
-        """A server did not answer (after its retries): leave it alone a while; the request goes elsewhere."""
+        """A server failed a request (after its retries): leave it alone a while; the request goes elsewhere.
+
+        Sending a request again is safe: inference is idempotent. A request that failed
+        ``max_failures`` times (on every server, or the same one again) stops the job.
+        """
         self.pool.fail(endpoint, self.clock())
         tries = self.failures[id(chunk)] = self.failures.get(id(chunk), 0) + 1
         self.say(f"coalesce-client: {endpoint.url}: {type(error).__name__}: {error}; its request goes to another "
