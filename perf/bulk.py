@@ -210,11 +210,12 @@ def markdown(run: Mapping[str, Any]) -> str:
         lines.append(f"| {row['profile']} | {_fmt(row['bulk-1x2_rows_per_s'])} | "
                      f"{_fmt(row['online-1x2_rows_per_s'])} | {_fmt(row['bulk-1x2_cost_per_m_rows'], 3)} | "
                      f"{_fmt(row['online-1x2_cost_per_m_rows'], 3)} | {_times(row['bulk-1x2_over_online-1x2'])} |")
-    lines += ["", "Per round:", "", "| round | workload | system | rows/s | detail |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += ["", "Per round (load: the machine's 1-minute load average as the point ended; the client and the "
+              f"server account for up to about {cores} of it):", "",
+              "| round | workload | system | rows/s | load | detail |", "| --- | --- | --- | --- | --- | --- |"]
     for point in run["points"]:
         lines.append(f"| {point['round']} | {point['profile']} | {point['system']} | {point['rows_per_s']:.1f} | "
-                     f"{point.get('detail', '')} |")
+                     f"{_fmt(point.get('load_1m'), 2)} | {point.get('detail', '')} |")
     if run.get("notes"):
         lines += ["", *run["notes"]]
     return "\n".join(lines) + "\n"
@@ -274,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="assumed price of one core for an hour, in dollars (cost per 1M rows)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--run", help="report name (default bulk-<yyyymmdd>)")
+    parser.add_argument("--note", action="append", default=[], help="a line added to the report (repeatable)")
     args = parser.parse_args(argv)
     today = datetime.date.today().strftime("%Y%m%d")
     name = args.run or f"bulk-{today}"
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     points: list[dict[str, Any]] = []
 
     def record(point: dict[str, Any]) -> None:
+        # The machine's 1-minute load as the point ends: above the cores' count, something else was running too.
+        point["load_1m"] = round(os.getloadavg()[0], 2)
         points.append(point)
         sys.stdout.write(f"round {point['round']} {point['profile']} {point['system']}: {point['rows_per_s']:.1f} "
                          f"rows/s {point.get('detail', '')}\n")
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{'/'.join(map(str, limits.FIXED_BATCH_SIZES))} and DP cuts over the whole corpus) and of "
                          "two one-thread pipelines side by side (the same sorted corpus, the best fixed cuts dealt out "
                          "in turn); no server, no client, no file",
-           "configs": configs, "points": points,
+           "configs": configs, "points": points, "notes": args.note,
            "summary": summarize(points, args.profiles, price_per_core_hour=args.price_per_core_hour, cores=cores)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(run, indent=1) + "\n")

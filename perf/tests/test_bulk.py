@@ -83,5 +83,5 @@ def test_the_report_states_the_price_and_every_point():
     assert ("| documents | 90.0 | 75.0 | **0.82** (missed; rounds 0.75, 0.90) | - (-) | - (-) | - | 0.370 | - "
             "| - |") in text
     assert "| queries | 390.0 | 210.0 | 0.071 | 0.132 | 1.86x |" in text
-    assert "| 1 | documents | bulk | 90.0 | bulk detail |" in text
+    assert "| 1 | documents | bulk | 90.0 | - | bulk detail |" in text
     assert text.rstrip().endswith("A note.")
