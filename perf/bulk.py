@@ -13,11 +13,11 @@ passes), in two layouts of the same two cores:
 Each round measures, one after the other on the same machine:
 
 - ``limit``: the offline in-process ceiling, no server, no client, no file: the best of
-  ``perf.limits.limit`` (the model's pipeline on every core, spin-waiting and not, the
-  whole corpus tokenised, sorted by length and run at its best cuts: fixed 8/16/32/64, or
-  the DP planner over the whole corpus) and of two one-thread pipelines side by side
-  (``parallel_limit``: the same sorted corpus, fixed cuts dealt out in turn), the in-process
-  counterpart of ``2x1``.
+  ``perf.limits.limit`` (the model's pipeline on every core, not spin-waiting as served, or
+  both ways with ``--limit-spinning true false``; the whole corpus tokenised, sorted by
+  length and run at its best cuts: fixed 8/16/32/64, or the DP planner over the whole
+  corpus) and of two one-thread pipelines side by side (``parallel_limit``: the same sorted
+  corpus, fixed cuts dealt out in turn), the in-process counterpart of ``2x1``.
 - ``bulk``: ``coalesce-client batch --tokenizer <the model's tokenizer.json>`` (a subprocess,
   as a user runs it) over the JSONL file into Parquet through ``2x1``, concurrency found by
   itself. Rows/s is the job's own: reading, sorting, sending and merging the output
@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--run", help="report name (default bulk-<yyyymmdd>)")
     parser.add_argument("--note", action="append", default=[], help="a line added to the report (repeatable)")
+    parser.add_argument("--limit-spinning", nargs="+", choices=("true", "false"), default=["false"],
+                        help="ONNX Runtime spin-waiting settings of the one-pipeline limit (both: the better; "
+                             "spin-waiting never gave the best limit here, two one-thread pipelines did)")
     args = parser.parse_args(argv)
     today = datetime.date.today().strftime("%Y%m%d")
     name = args.run or f"bulk-{today}"
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
 
     version = repository.MINILM / "1"
-    single = {spin: limits.make_pipeline(version, thread_spinning=spin) for spin in ("true", "false")}
+    single = {spin: limits.make_pipeline(version, thread_spinning=spin) for spin in args.limit_spinning}
     parallel = [limits.make_pipeline(version, intra_op_threads="1", thread_spinning="false") for _ in range(2)]
     for pipeline in (*single.values(), *parallel):
         limits.embed_each(pipeline, corpora[args.profiles[0]][:64])  # warm-up
@@ -328,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
            "machine": f"{platform.machine()}, {cores} cores", "cores": cores, "rounds": args.rounds,
            "counts": counts, "seed": args.seed, "online_duration_s": args.online_duration_s,
            "price_per_core_hour": args.price_per_core_hour,
-           "limit_note": "the best of perf.limits.limit (the served pipeline on every core, spin-waiting or not: the "
+           "limit_note": "the best of perf.limits.limit (the served pipeline on every core, spin-waiting "
+                         f"{' or '.join(args.limit_spinning).replace('true', 'on').replace('false', 'off')}: the "
                          "whole corpus tokenised and sorted by length, the best of fixed cuts "
                          f"{'/'.join(map(str, limits.FIXED_BATCH_SIZES))} and DP cuts over the whole corpus) and of "
                          "two one-thread pipelines side by side (the same sorted corpus, the best fixed cuts dealt out "
