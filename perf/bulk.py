@@ -154,6 +154,13 @@ def summarize(points: Sequence[Mapping[str, Any]], profiles: Sequence[str], *, p
                 ratios = [rate / limit[r] for r, rate in rates[system].items() if limit.get(r)]
                 summary[f"{system}_over_limit_rounds"] = ratios
                 summary[f"{system}_over_limit"] = median(ratios)
+        # The one-instance layout against its own in-process counterpart: the one-pipeline limit.
+        one = {int(p["round"]): max(v[0] for k, v in p["variants"].items() if k.startswith("1 x"))
+               for p in points if p["profile"] == profile and p["system"] == "limit"
+               and any(k.startswith("1 x") for k in p.get("variants", {}))}
+        ratios = [rate / one[r] for r, rate in rates["bulk-1x2"].items() if one.get(r)]
+        summary["limit-1x2_rows_per_s"] = median(list(one.values()))
+        summary["bulk-1x2_over_limit-1x2"] = median(ratios)
         for bulk, online in (("bulk", "online"), ("bulk-1x2", "online-1x2")):
             a, b = summary[f"{bulk}_rows_per_s"], summary[f"{online}_rows_per_s"]
             summary[f"{bulk}_over_{online}"] = a / b if a and b else None
@@ -203,15 +210,19 @@ def markdown(run: Mapping[str, Any]) -> str:
                      f"{_fmt(row['bulk-est_rows_per_s'])} ({_fmt(row['bulk-est_over_limit'], 2)}) | "
                      f"{_fmt(row['online_rows_per_s'])} | {_fmt(row['bulk_cost_per_m_rows'], 3)} | "
                      f"{_fmt(row['online_cost_per_m_rows'], 3)} | {_times(row['bulk_over_online'])} |")
-    lines += ["", "On the one-instance layout (`1x2`), bulk and online side by side:", "",
-              "| workload | bulk-1x2 rows/s | online-1x2 c=16 rows/s | $/1M rows bulk-1x2 | $/1M rows online-1x2 | "
-              "bulk / online |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "On the one-instance layout (`1x2`), against its in-process counterpart (the one-pipeline limit), "
+              "and bulk and online side by side:", "",
+              "| workload | one-pipeline limit rows/s | bulk-1x2 rows/s (/ that limit) | online-1x2 c=16 rows/s | "
+              "$/1M rows bulk-1x2 | $/1M rows online-1x2 | bulk / online |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in run["summary"]:
-        lines.append(f"| {row['profile']} | {_fmt(row['bulk-1x2_rows_per_s'])} | "
+        lines.append(f"| {row['profile']} | {_fmt(row.get('limit-1x2_rows_per_s'))} | "
+                     f"{_fmt(row['bulk-1x2_rows_per_s'])} ({_fmt(row.get('bulk-1x2_over_limit-1x2'), 2)}) | "
                      f"{_fmt(row['online-1x2_rows_per_s'])} | {_fmt(row['bulk-1x2_cost_per_m_rows'], 3)} | "
                      f"{_fmt(row['online-1x2_cost_per_m_rows'], 3)} | {_times(row['bulk-1x2_over_online-1x2'])} |")
-    lines += ["", "Per round (load: the machine's 1-minute load average as the point ended; the client and the "
-              f"server account for up to about {cores} of it):", "",
+    lines += ["", "Per round (load: the machine's 1-minute load average as the point ended; with the bench alone "
+              f"on the machine it stays near its {cores} cores, higher during the online points, whose generator, "
+              "front end and stubs all have runnable threads):", "",
               "| round | workload | system | rows/s | load | detail |", "| --- | --- | --- | --- | --- | --- |"]
     for point in run["points"]:
         lines.append(f"| {point['round']} | {point['profile']} | {point['system']} | {point['rows_per_s']:.1f} | "
@@ -279,7 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-spinning", nargs="+", choices=("true", "false"), default=["false"],
                         help="ONNX Runtime spin-waiting settings of the one-pipeline limit (both: the better; "
                              "spin-waiting never gave the best limit here, two one-thread pipelines did)")
+    parser.add_argument("--from-json", type=Path, help="only write the report again from a run's JSON (its "
+                        "summary recomputed from its points), beside it")
     args = parser.parse_args(argv)
+    if args.from_json:
+        run = json.loads(args.from_json.read_text())
+        run["summary"] = summarize(run["points"], list(run["counts"]), price_per_core_hour=run["price_per_core_hour"],
+                                   cores=run["cores"])
+        run["notes"] = [*run.get("notes", []), *args.note]
+        args.from_json.write_text(json.dumps(run, indent=1) + "\n")
+        args.from_json.with_suffix(".md").write_text(markdown(run))
+        sys.stdout.write(f"wrote {args.from_json.with_suffix('.md')}\n")
+        return 0
     today = datetime.date.today().strftime("%Y%m%d")
     name = args.run or f"bulk-{today}"
     cores = len(os.sched_getaffinity(0))

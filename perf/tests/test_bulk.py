@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -50,8 +52,13 @@ def points():
              ("queries", "bulk-1x2"): [420.0, 360.0], ("queries", "bulk-est"): [400.0, 300.0],
              ("queries", "online"): [250.0, 260.0], ("queries", "online-1x2"): [200.0, 220.0],
              ("documents", "limit"): [80.0, 100.0], ("documents", "bulk"): [60.0, 90.0]}
-    return [{"round": r, "profile": p, "system": s, "rows_per_s": v, "detail": f"{s} detail"}
-            for (p, s), values in rates.items() for r, v in enumerate(values)]
+    out = [{"round": r, "profile": p, "system": s, "rows_per_s": v, "detail": f"{s} detail"}
+           for (p, s), values in rates.items() for r, v in enumerate(values)]
+    for point in out:
+        if point["profile"] == "queries" and point["system"] == "limit":
+            point["variants"] = {"1 x every core, spinning false": [point["rows_per_s"] * 0.9, "sorted, fixed 64"],
+                                 "2 x 1 thread": [point["rows_per_s"], "sorted, fixed 32"]}
+    return out
 
 
 def test_the_summary_takes_same_round_ratios_and_costs_from_medians():
@@ -64,9 +71,24 @@ def test_the_summary_takes_same_round_ratios_and_costs_from_medians():
     assert queries["bulk_cost_per_m_rows"] == pytest.approx(bulk.cost_per_million_rows(420.0, 0.05, 2))
     assert queries["bulk_over_online"] == pytest.approx(420.0 / 255.0)
     assert queries["bulk-1x2_over_online-1x2"] == pytest.approx(390.0 / 210.0)
+    assert queries["limit-1x2_rows_per_s"] == pytest.approx(405.0)
+    assert queries["bulk-1x2_over_limit-1x2"] == pytest.approx((420 / 450 + 360 / 360) / 2)
+    assert documents["limit-1x2_rows_per_s"] is None and documents["bulk-1x2_over_limit-1x2"] is None
     assert documents["bulk_over_limit"] == pytest.approx((0.75 + 0.9) / 2) and not documents["met"]
     assert documents["online_rows_per_s"] is None and documents["online_cost_per_m_rows"] is None
     assert documents["bulk-est_over_limit"] is None
+
+
+def test_the_report_is_written_again_from_its_json(tmp_path):
+    run = {"date": "20261205", "command": "python -m perf.bulk", "machine": "m", "cores": 2, "rounds": 2,
+           "counts": {"queries": 10000, "documents": 3000}, "seed": 0, "online_duration_s": 15.0,
+           "price_per_core_hour": 0.05, "limit_note": "n", "points": points(), "summary": [], "notes": []}
+    path = tmp_path / "bulk-x.json"
+    path.write_text(json.dumps(run))
+    assert bulk.main(["--from-json", str(path), "--note", "Quiet machine."]) == 0
+    again = json.loads(path.read_text())
+    assert again["summary"][0]["bulk_over_limit"] == pytest.approx(0.935) and again["notes"] == ["Quiet machine."]
+    assert (tmp_path / "bulk-x.md").read_text().rstrip().endswith("Quiet machine.")
 
 
 def test_the_report_states_the_price_and_every_point():
@@ -82,6 +104,6 @@ def test_the_report_states_the_price_and_every_point():
             "0.066 | 0.109 | 1.65x |") in text
     assert ("| documents | 90.0 | 75.0 | **0.82** (missed; rounds 0.75, 0.90) | - (-) | - (-) | - | 0.370 | - "
             "| - |") in text
-    assert "| queries | 390.0 | 210.0 | 0.071 | 0.132 | 1.86x |" in text
+    assert "| queries | 405.0 | 390.0 (0.97) | 210.0 | 0.071 | 0.132 | 1.86x |" in text
     assert "| 1 | documents | bulk | 90.0 | - | bulk detail |" in text
     assert text.rstrip().endswith("A note.")
