@@ -227,8 +227,8 @@ def markdown(run: Mapping[str, Any]) -> str:
     for point in run["points"]:
         lines.append(f"| {point['round']} | {point['profile']} | {point['system']} | {point['rows_per_s']:.1f} | "
                      f"{_fmt(point.get('load_1m'), 2)} | {point.get('detail', '')} |")
-    if run.get("notes"):
-        lines += ["", *run["notes"]]
+    for note in run.get("notes", []):
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
