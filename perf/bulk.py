@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for pipeline in (*single.values(), *parallel):
             pipeline.close()
-    run = {"date": today, "command": "python -m perf.bulk " + " ".join(argv if argv is not None else sys.argv[1:]),
+    run = {"date": today,
+           "command": " ".join(["python -m perf.bulk", *(argv if argv is not None else sys.argv[1:])]),
            "machine": f"{platform.machine()}, {cores} cores", "cores": cores, "rounds": args.rounds,
            "counts": counts, "seed": args.seed, "online_duration_s": args.online_duration_s,
            "price_per_core_hour": args.price_per_core_hour,
