@@ -508,17 +508,17 @@ class Replica:
     @property
     def http_url(self) -> str:
         """``host:port`` of its own HTTP endpoint (not balanced)."""
-        return f"127.0.0.1:{self.ports.http}"
+        return self.server.http_url
 
     @property
     def grpc_url(self) -> str:
         """``host:port`` of its own gRPC endpoint (not balanced)."""
-        return f"127.0.0.1:{self.ports.grpc}"
+        return self.server.grpc_url
 
     @property
     def metrics_url(self) -> str:
         """URL of its Prometheus metrics (Triton's and the coalesce backend's)."""
-        return f"http://127.0.0.1:{self.ports.metrics}/metrics"
+        return self.server.metrics_url
 
 
 @dataclasses.dataclass(frozen=True)
