@@ -10,10 +10,15 @@ serve`` and in the container) and does that reload itself:
    ``model.py`` they run, the instance their eighth argument);
 2. a stub seen alive that is now a zombie (exited, not reaped: Triton reaps the stubs it
    stops at once) on ``confirm_scans`` scans in a row marks its READY model dead;
-3. it unloads the model through the repository API (from then on
-   ``/v2/models/<m>/ready`` is false and new requests get Triton's "unavailable" error
-   rather than a dead stub's), then loads it again from the repository, retrying with
-   back-off until the load succeeds.
+3. each dead model is recovered on its own thread: it unloads the model through the
+   repository API (from then on ``/v2/models/<m>/ready`` is false and new requests get
+   Triton's "unavailable" error rather than a dead stub's), then loads it again from the
+   repository until a load succeeds, pausing between failed loads for ``retry_first_s``,
+   doubled after each failure up to ``retry_max_s``. It never gives up: an operator may
+   fix the repository (a missing file, a broken config) and the next load serves the model.
+
+Recovery is per model: while one model keeps failing to load, the scan goes on, so the
+death of another model's stub is still detected and that model recovered at once.
 
 The repository API needs explicit model control; the supervisor sends the admin key
 header when the API is restricted. Its own HTTP endpoint (``health_port``) answers
@@ -25,6 +30,7 @@ again as soon as a model is unloaded. ``/live`` is 200 while the server process 
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import http.server
 import json
 import threading
@@ -47,7 +53,7 @@ class SupervisorOptions:
     confirm_scans: int = 2
     #: Seconds one load through the repository API may take.
     load_timeout_s: float = 300.0
-    #: First and largest pause between two failed loads.
+    #: First and largest pause between two failed loads of one model (doubling in between; retried until it loads).
     retry_first_s: float = 1.0
     retry_max_s: float = 30.0
     #: Port of the supervisor's own ``/ready`` and ``/live``; 0: none.
@@ -71,12 +77,15 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self._health: http.server.ThreadingHTTPServer | None = None
         self._lock = threading.Lock()
+        #: Models being recovered (guarded by ``_lock``), each by its own thread in ``_workers``.
         self._recovering: set[str] = set()
+        self._workers: dict[str, threading.Thread] = {}
+        # Only the scan thread touches _known, _suspect and _handled (ready() reads _suspect).
         #: Every stub seen alive: pid → (model, instance). A zombie's own entry no longer names them.
         self._known: dict[int, tuple[str, str]] = {}
         #: Zombie stub pids → scans in a row they have been seen dead.
         self._suspect: dict[int, int] = {}
-        #: Zombies whose model was already reloaded (Triton reaps them when the old instance goes).
+        #: Zombies whose model is being or was reloaded (Triton reaps them when the old instance goes).
         self._handled: set[int] = set()
         #: Models reloaded since start, in order (for logs and tests).
         self.recoveries: list[tuple[str, float]] = []
@@ -109,7 +118,8 @@ class Supervisor:
             status, body = self._call("POST", f"/v2/repository/models/{model}/unload",
                                       json.dumps({"parameters": {"unload_dependents": False}}).encode(),
                                       timeout_s=30.0)
-        except OSError as exc:  # a busy server may answer late; the load that follows waits for it anyway
+        except (OSError, http.client.HTTPException) as exc:
+            # A busy server may answer late or cut the answer short; the load that follows waits for it anyway.
             status, body = 0, repr(exc).encode()
         if status != 200:
             self._log(f"coalesce supervisor: unloading '{model}' answered {status}: {body[:200]!r}")
@@ -137,6 +147,8 @@ class Supervisor:
         if not any(s.dead and s.pid in self._known and s.pid not in self._handled for s in stubs):
             self._suspect = {}
             return set()  # the common case costs one read of /proc, no call to the server
+        with self._lock:
+            recovering = set(self._recovering)
         states = self.model_states()
         suspects: dict[int, int] = {}
         dead: set[str] = set()
@@ -144,7 +156,7 @@ class Supervisor:
             if not stub.dead or stub.pid not in self._known or stub.pid in self._handled:
                 continue
             model = self._known[stub.pid][0]
-            if states.get(model) != "READY" or model in self._recovering:
+            if states.get(model) != "READY" or model in recovering:
                 continue
             suspects[stub.pid] = self._suspect.get(stub.pid, 0) + 1
             if suspects[stub.pid] >= self.options.confirm_scans:
@@ -155,27 +167,70 @@ class Supervisor:
     # --- recovery --------------------------------------------------------------------------------------------------
 
     def recover(self, model: str) -> None:
-        """Unload ``model`` (readiness false at once), then load it again until a load succeeds or we stop."""
+        """Unload ``model`` (readiness false at once), then load it again until a load succeeds or we stop.
+
+        Blocks for as long as the model fails to load, so the scan loop runs it on the model's
+        own thread (``_start_recovery``). Between failed loads it waits ``retry_first_s``,
+        doubled after each failure up to ``retry_max_s``; ``stop()`` ends the wait at once.
+        """
         started = time.monotonic()
         self._log(f"coalesce supervisor: a stub of model '{model}' died; unloading and loading it again")
         self.unload(model)
         pause_s = self.options.retry_first_s
+        failures = 0
         while not self._stop.is_set():
             try:
                 status, body = self._call("POST", f"/v2/repository/models/{model}/load", b"{}",
                                           timeout_s=self.options.load_timeout_s)
-            except (OSError, urllib.error.URLError) as exc:
+            except (OSError, http.client.HTTPException) as exc:  # no answer, or half of one: a failed load
                 status, body = 0, repr(exc).encode()
             if status == 200:
                 elapsed_s = time.monotonic() - started
-                self.recoveries.append((model, elapsed_s))
+                with self._lock:
+                    self.recoveries.append((model, elapsed_s))
                 self._log(f"coalesce supervisor: model '{model}' is serving again ({elapsed_s:.1f} s after "
                           "its stub was found dead)")
                 return
-            self._log(f"coalesce supervisor: loading '{model}' failed ({status}: {body[:300]!r}); "
-                      f"trying again in {pause_s:.0f} s")
-            self._stop.wait(pause_s)
+            failures += 1
+            if self._stop.is_set():
+                return  # a load that was in flight when we were stopped: no retry to announce
+            self._log(f"coalesce supervisor: loading '{model}' failed ({status}: {body[:300]!r}; failure "
+                      f"{failures}); trying again in {pause_s:.1f} s")
+            if self._stop.wait(pause_s):
+                return
             pause_s = min(pause_s * 2, self.options.retry_max_s)
+
+    def _start_recovery(self, model: str) -> None:
+        """Recover ``model`` on a thread of its own (scan thread only), unless it is already being recovered."""
+        with self._lock:
+            # Under the lock, so that stop() either sees this thread to join or stops us before it starts; the
+            # thread's own clean-up waits for the lock too, so it cannot run before the model is recorded.
+            if self._stop.is_set() or model in self._recovering:
+                return
+            worker = threading.Thread(target=self._recover_on_own_thread, args=(model,),
+                                      name=f"coalesce-recover-{model}", daemon=True)
+            worker.start()
+            self._recovering.add(model)
+            self._workers[model] = worker
+        # The model's old stubs are done with: their zombies must not mark the reloaded model dead again. Only
+        # the pids known now: the stubs a reload starts get new pids, and their death is a new one.
+        self._handled |= {p for p, (m, _) in self._known.items() if m == model}
+        self._suspect = {p: n for p, n in self._suspect.items() if p not in self._handled}
+
+    def _recover_on_own_thread(self, model: str) -> None:
+        try:
+            self.recover(model)
+        except Exception as exc:  # the supervisor must outlive any one failure: it is the operator
+            self._log(f"coalesce supervisor: reloading '{model}' failed: {exc!r}")
+        finally:
+            with self._lock:
+                self._recovering.discard(model)
+                self._workers.pop(model, None)
+
+    def recovering(self) -> set[str]:
+        """The models being recovered now (unloaded, or loading again)."""
+        with self._lock:
+            return set(self._recovering)
 
     def _run(self) -> None:
         while not self._stop.wait(self.options.interval_s):
@@ -186,17 +241,10 @@ class Supervisor:
                 self._log_once(f"coalesce supervisor: scan failed: {exc!r}")
                 continue
             for model in sorted(dead):
-                with self._lock:
-                    self._recovering.add(model)
                 try:
-                    self.recover(model)
-                except Exception as exc:  # the supervisor must outlive any one failure: it is the operator
-                    self._log(f"coalesce supervisor: reloading '{model}' failed: {exc!r}")
-                finally:
-                    self._handled |= {p for p, (m, _) in self._known.items() if m == model}
-                    self._suspect = {}
-                    with self._lock:
-                        self._recovering.discard(model)
+                    self._start_recovery(model)
+                except Exception as exc:  # no thread to be had: the next scan finds the model dead again
+                    self._log(f"coalesce supervisor: cannot start reloading '{model}': {exc!r}")
 
     _last_logged: str = ""
 
@@ -252,13 +300,23 @@ class Supervisor:
         return self
 
     def stop(self) -> None:
-        """Stop scanning and answering probes; a reload under way is not waited for past its current call."""
+        """Stop scanning, recovering and answering probes.
+
+        A recovery waiting between two loads ends at once. One whose load call is in flight
+        is waited for a few seconds at most; its (daemon) thread ends when that call
+        returns, without trying again.
+        """
         self._stop.set()
         if self._health is not None:
             self._health.shutdown()
             self._health.server_close()
+        deadline = time.monotonic() + self.options.interval_s + 5
         if self._thread is not None:
-            self._thread.join(timeout=self.options.interval_s + 5)
+            self._thread.join(timeout=self.options.interval_s + 5)  # a scan may be reading the index
+        with self._lock:
+            workers = list(self._workers.values())
+        for worker in workers:
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Supervisor:
         return self.start()
