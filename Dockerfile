@@ -11,7 +11,8 @@ COPY pyproject.toml README.md ./
 COPY backends ./backends
 COPY client ./client
 
-# The backend and its GPU runtimes into the Python that Triton's Python backend runs (/usr/bin/python3).
+# The backend and its GPU runtimes into the Python that Triton's Python backend runs (/usr/bin/python3:
+# 3.10 in 24.10, Ubuntu 22.04; tests/integration/test_install.py serves this install's wheel with 3.10).
 # onnxruntime-gpu provides the same module as onnxruntime: remove the CPU build first.
 RUN python3 -m pip install --no-cache-dir ".[client,redis,gpu]" \
  && python3 -m pip uninstall -y onnxruntime \
@@ -20,6 +21,8 @@ RUN python3 -m pip install --no-cache-dir ".[client,redis,gpu]" \
 # A Python-based backend: Triton finds backends/coalesce/model.py and runs it with the Python backend.
 # Only what runs in the stub goes there: model.py and the coalesce package (the developer tools,
 # coalesce_tools, are installed as a package for `coalesce prepare` / `build-engine`, never copied in).
+# The stub finds the installed coalesce first (site-packages precede the backend folder on its sys.path),
+# so the wheel must hold every module; the copy keeps the folder complete on its own, as when mounted.
 RUN mkdir -p /opt/tritonserver/backends/coalesce \
  && cp backends/coalesce/model.py /opt/tritonserver/backends/coalesce/model.py \
  && cp -r backends/coalesce/coalesce /opt/tritonserver/backends/coalesce/coalesce

@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--c1-rounds", type=int, default=3,
                         help="interleaved rounds of the concurrency-1 measurement (bare compute and every model)")
     parser.add_argument("--no-tenants", action="store_true", help="skip the tenant-isolation run")
-    parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("adaptive-%Y%m%dT%H%M%SZ"))
+    parser.add_argument("--run",
+                        default=datetime.datetime.now(datetime.timezone.utc).strftime("adaptive-%Y%m%dT%H%M%SZ"))
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = parser.parse_args(argv)
     profiles = args.profiles.split(",")
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                               for tenant, counts in after.items()}
                     runs[-1]["backend_p99_at_most_ms"] = {t: b for t, b in bounds.items() if b is not None}
 
-    run = {"run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    run = {"run": args.run, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{os.cpu_count()} cores, no GPU, ONNX Runtime CPU; Locust and server on the same machine",
            "command": "make eval-adaptive  # python -m perf.adaptive " + " ".join(argv or sys.argv[1:]),
            "targets_ms": targets, "duration_s": args.duration_s, "pool": args.pool, "protocol": args.protocol,

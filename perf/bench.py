@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="every point and ceiling is measured once per round; the report gives medians")
     parser.add_argument("--price-per-hour", type=float, default=0.10, help="instance price, for $/M inferences")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("bench-%Y%m%dT%H%M%SZ"))
+    parser.add_argument("--run", default=datetime.datetime.now(datetime.timezone.utc).strftime("bench-%Y%m%dT%H%M%SZ"))
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = parser.parse_args(argv)
     profiles = args.profiles.split(",")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write(f"bench: round {round_index} ceilings {profile}: "
                                  f"{ {k: v[-1] for k, v in ceiling.items()} }\n")
 
-    run = {"run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    run = {"run": args.run, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{os.cpu_count()} cores, no GPU, ONNX Runtime CPU",
            "command": "make bench  # python -m perf.bench " + " ".join(argv or sys.argv[1:]),
            "workloads": f"{args.count} distinct texts per profile, seed {args.seed}; ceilings on the first "

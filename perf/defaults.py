@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.request_count, args.accuracy_texts = 1, 150, 200
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)
     run_name = args.run or now.strftime("defaults-%Y%m%d")
     profiles = args.profiles.split(",")
     concurrencies = [int(c) for c in args.concurrency.split(",")]

@@ -745,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.closed_requests, args.open_requests = 1, 32, 12
-    day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
     args.run = args.run or f"generate-{day}{'-quick' if args.quick else ''}"
     systems = args.systems.split(",")
     modes = args.modes.split(",")
@@ -842,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
     closed_row = next((r for r in ratios if r["mode"] == "closed"), None)
     prompt_lengths = sorted(t.prompt_tokens for t in closed_trace)
     run: dict[str, Any] = {
-        "run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "run": args.run, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()} cores, no GPU, torch CPU (tinylm: 4 layers, hidden 256, 3.9 M parameters, "
                    "random weights); shared and noisy",
         "command": ("make bench-generate  # python -m perf.generate "

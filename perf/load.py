@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp-rate", type=float, default=300.0, help="requests/s the ramp ends at")
     parser.add_argument("--duration-s", type=float, default=30.0, help="length of each run")
     parser.add_argument("--pool", type=int, default=64, help="Locust users: the most requests in flight")
-    parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("load-%Y%m%dT%H%M%SZ"))
+    parser.add_argument("--run", default=datetime.datetime.now(datetime.timezone.utc).strftime("load-%Y%m%dT%H%M%SZ"))
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{summary['offered_requests']}, {summary['achieved_per_s']:.1f}/s, p99 "
                                  f"{summary['p99_ms']} ms, Triton saw {summary['triton_inferences']}, counts "
                                  f"{'match' if summary['counts_match'] else 'DO NOT match'}\n")
-    run = {"run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    run = {"run": args.run, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{os.cpu_count()} cores, no GPU, client and server on the same machine",
            "command": "make load  # python -m perf.load " + " ".join(argv or sys.argv[1:]),
            "profile": args.profile, "pool": args.pool, "duration_s": args.duration_s, "protocols": protocols,

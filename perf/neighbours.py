@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noisy-in-flight", type=int, default=64)
     parser.add_argument("--capacity-concurrency", type=int, default=16)
     parser.add_argument("--capacity-s", type=float, default=10.0)
-    parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("neighbours-%Y%m%d"))
+    parser.add_argument("--run", default=datetime.datetime.now(datetime.timezone.utc).strftime("neighbours-%Y%m%d"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.light = [m for m in args.light.split(",") if m]

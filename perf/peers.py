@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.duration_s, args.warmup_s = 1, 4.0, 1.0
         args.bare_texts, args.limit_texts = 50, 128
-    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
     run_name = args.run or f"peers-{today}" + ("-quick" if args.quick else "")
     wanted = args.systems.split(",")
     unknown = sorted(set(wanted) - set(SYSTEMS))
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                                          f"{'-' if p99 is None else f'{p99:.1f}'} ms, {point['errors']} errors\n")
 
     run: dict[str, Any] = {
-        "run": run_name, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "run": run_name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()} cores, no GPU", "command": command, "rounds": args.rounds,
         "profiles": profiles, "concurrency": concurrencies, "duration_s": args.duration_s, "warmup_s": args.warmup_s,
         "workloads": f"{args.count} distinct texts per profile, seed {args.seed}; bare on the first "

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", default="4,8,16,32,64")
     parser.add_argument("--texts", type=int, default=512, help="texts per profile")
     parser.add_argument("--version-dir", type=Path, default=ROOT / "model_repository" / "minilm" / "1")
-    parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("planner-gain-%Y%m%dT%H%M%SZ"))
+    parser.add_argument("--run",
+                        default=datetime.datetime.now(datetime.timezone.utc).strftime("planner-gain-%Y%m%dT%H%M%SZ"))
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = parser.parse_args(argv)
     pipeline = limits.make_pipeline(args.version_dir)

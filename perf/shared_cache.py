@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cache-bytes", type=int, default=256 << 20, help="in-process tier of minilm_shared")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("shared-%Y%m%dT%H%M%SZ"))
+    parser.add_argument("--run", default=datetime.datetime.now(datetime.timezone.utc).strftime("shared-%Y%m%dT%H%M%SZ"))
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = parser.parse_args(argv)
     profiles = args.profiles.split(",")
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 except perfanalyzer.PerfAnalyzerError as exc:
                     sys.stderr.write(f"bench-shared: {point} failed: {exc}\n")
                     failures.append(f"{point}: {str(exc)[-300:]}")
-    run = {"run": args.run, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    run = {"run": args.run, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{os.cpu_count()} cores, no GPU, ONNX Runtime CPU, redis-server on loopback",
            "command": "make bench-shared  # python -m perf.shared_cache " + " ".join(argv or sys.argv[1:]),
            "workloads": ", ".join(f"{p}: {n} texts" for p, n in counts.items())

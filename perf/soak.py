@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, default=50, help="distinct good requests per model (the caches hit)")
     parser.add_argument("--sample-s", type=float, default=2.0)
     parser.add_argument("--slope-limit", type=float, default=2.0, help="largest |RSS slope| passed, MiB/min")
-    parser.add_argument("--run", default=datetime.datetime.now(datetime.UTC).strftime("soak-%Y%m%d"))
+    parser.add_argument("--run", default=datetime.datetime.now(datetime.timezone.utc).strftime("soak-%Y%m%d"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     result = run_soak(args)

@@ -86,6 +86,48 @@ else
   say "packages up to date (.[$extras])"
 fi
 
+# 2b. (--dev) Python 3.10, the oldest the project supports and the one of the Triton 24.10 container
+# the Dockerfile builds on: an environment with the backend's serving dependencies (pyproject's own and
+# its client and redis extras; no torch: PyPI's is a CUDA build of GBs), in which
+# tests/integration/test_install.py serves the installed wheel. The newest releases in pyproject's
+# ranges that support 3.10, not the 3.11 pins. Skipped where no python3.10 with a shared libpython is
+# found (that test then skips); redone when those requirements change. Not when .venv is 3.10 itself.
+if [[ " ${EXTRAS[*]} " == *" dev "* ]] && [ "$pyver" != "3.10" ]; then
+  py310_env=$VENV/py3.10
+  py310_reqs=$($VENV/bin/python - <<'PY'
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join([*project["dependencies"], *(r for extra in ("client", "redis") for r in project["optional-dependencies"][extra])]))
+PY
+)
+  py310_want=$(printf '%s\n' "$py310_reqs" | sha256sum | cut -d' ' -f1)
+  if [ "$(cat $py310_env/.coalesce-stamp 2>/dev/null)" != "$py310_want" ]; then
+    py310=""
+    for candidate in "${PYTHON310:-}" python3.10 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10*/bin/python3.10; do
+      [ -n "$candidate" ] || continue
+      if "$candidate" -c 'import os, sys, sysconfig, venv
+assert sys.version_info[:2] == (3, 10)
+assert os.path.exists(os.path.join(sysconfig.get_config_var("LIBDIR") or "", "libpython3.10.so.1.0"))' 2>/dev/null; then
+        py310=$candidate; break
+      fi
+    done
+    if [ -z "$py310" ]; then
+      say "no python3.10 with a shared libpython: the Python 3.10 install test skips (PYTHON310=... names one)"
+    else
+      say "creating $py310_env ($py310) with the backend's serving dependencies"
+      rm -rf "$py310_env"
+      mapfile -t py310_list <<<"$py310_reqs"
+      if ! { "$py310" -m venv "$py310_env" &&
+             "$py310_env/bin/python" -m pip install --disable-pip-version-check "${py310_list[@]}"; } \
+           >$VENV/py3.10-install.log 2>&1; then
+        tail -20 $VENV/py3.10-install.log >&2; say "the Python 3.10 environment failed; log in $VENV/py3.10-install.log"
+        exit 1
+      fi
+      echo "$py310_want" > "$py310_env/.coalesce-stamp"
+    fi
+  fi
+fi
+
 # The peers perf.peers compares with, each in its own venv under .bench/ (make bench).
 if [ $BENCH -eq 1 ]; then bash scripts/setup_peers.sh; fi
 

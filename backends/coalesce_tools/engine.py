@@ -97,7 +97,7 @@ def build(onnx_path: Path, plan_path: Path, profiles: list[Profile], *, fp16: bo
     metadata: dict[str, object] = {
         "tensorrt_version": str(trt.__version__), "precision": "fp16" if fp16 else "fp32",
         "profiles": [dataclasses.asdict(p) for p in profiles], "onnx_sha256": file_digest(onnx_path),
-        "built_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     engine_metadata_path(plan_path).write_text(json.dumps(metadata, indent=2) + "\n")
     return metadata
 

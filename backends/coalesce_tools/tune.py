@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     frontier = pareto_frontier(results)
     chosen = select(results, args.p99_ms)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("tune-%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("tune-%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
     config_path = args.model_repository / args.model / "config.pbtxt"
     before_text = config_path.read_text()

@@ -167,7 +167,9 @@ class TensorTask(Task):
             batch = np.full((len(rows), *spec.row_shape(padded_length)), self.pad_values[spec.name],
                             dtype=spec.dtype)
             for k, (row, value) in enumerate(zip(rows, values, strict=True)):
-                batch[(k, *(slice(0, row.length) if d == VARIABLE else slice(None) for d in spec.dims))] = value
+                # Named first: mypy, targeting 3.10, reads a starred tuple inside [] as 3.11's subscript syntax.
+                index = (k, *(slice(0, row.length) if d == VARIABLE else slice(None) for d in spec.dims))
+                batch[index] = value
             feeds[spec.name] = batch
         return feeds
 
