@@ -38,32 +38,44 @@ TIGHT_PARAMETERS = {"kv_cache_bytes": str(4096 * 16 * 16), "max_queue_wait_ms": 
 #: A fixed cost model for test-only variants: they load without calibrating (seconds each on 2 cores).
 FIXED_COST = "0.003,0.0001,0"
 
-#: Test-only variants of minilm start in FP32 without a row cache (the shipped one runs INT8 with one), so that
-#: their vectors equal the FP32 export's and their counters see every row; a test may set either back.
-VARIANT_DEFAULTS = {"precision": "fp32", "cache_bytes": "0"}
-#: Test-only variant: minilm as shipped but in FP32 without a row cache, the exact reference for the others.
+#: Parameters of a minilm variant that serves the FP32 graph, bit for bit as exported, with no row cache: for a
+#: test that compares exact vectors or counts every row the model computes. Every other copy of an example model
+#: is served as shipped (minilm: INT8 and a 64 MiB row cache), unless a test sets parameters and says why.
+FP32_NO_CACHE = {"precision": "fp32", "cache_bytes": "0"}
+#: Test-only variant: minilm in FP32 without a row cache (FP32_NO_CACHE), the exact reference for vector tests.
 EXACT_MODEL = "minilm_fp32"
 
 
-def add_model(repo: Path, name: str, *, replace: dict[str, str] | None = None, source: Path = MODEL_DIR,
-              parameters: dict[str, str] | None = None, wide: int = 0) -> Path:
-    """Copy ``source``'s config into ``repo/name`` with text replacements; link its version files.
+def add_model(
+    repo: Path,
+    name: str,
+    *,
+    replace: dict[str, str] | None = None,
+    source: Path = MODEL_DIR,
+    parameters: dict[str, str] | None = None,
+    wide: int = 0,
+) -> Path:
+    """Copy ``source``'s config, as shipped, into ``repo/name`` with text replacements; link its version files.
 
-    ``parameters`` are added to the config's; ``wide`` > 0 makes Triton wait up to 2 s for
-    exactly that many requests, so a test can put them in one ``execute``.
+    ``replace`` patterns apply to the shipped text first (regular expressions, each must match).
+
+    ``parameters`` are set in the config's (added, or replacing a shipped value); ``wide`` > 0
+    makes Triton wait up to 2 s for exactly that many requests, so a test can put them in one
+    ``execute``.
     """
     text = (source / "config.pbtxt").read_text()
     text = text.replace(f'name: "{source.name}"', f'name: "{name}"')
-    text = with_parameters(text, {**(VARIANT_DEFAULTS if source == MODEL_DIR else {}), **(parameters or {})})
-    if wide:
-        batching = (f"dynamic_batching {{\n  preferred_batch_size: [ {wide} ]\n"
-                    "  max_queue_delay_microseconds: 2000000\n}")
-        text, count = re.subn(r"dynamic_batching \{.*?\n\}", batching, text, flags=re.S)
-        if not count:
-            text += "\n" + batching + "\n"
     for pattern, new in (replace or {}).items():
         text, count = re.subn(pattern, new, text, flags=re.S)
         assert count, f"pattern {pattern!r} not found in config"
+    if wide:
+        batching = (
+            f"dynamic_batching {{\n  preferred_batch_size: [ {wide} ]\n  max_queue_delay_microseconds: 2000000\n}}"
+        )
+        text, count = re.subn(r"dynamic_batching \{.*?\n\}", batching, text, flags=re.S)
+        if not count:
+            text += "\n" + batching + "\n"
+    text = with_parameters(text, parameters or {})  # last: protobuf rewrites the text (the patterns match the shipped)
     target = repo / name
     (target / "1").mkdir(parents=True)
     (target / "config.pbtxt").write_text(text)
@@ -78,8 +90,9 @@ def repository(tmp_path_factory) -> Path:
     for name in EXAMPLE_MODELS:
         built(name)
         add_model(repo, name, source=REPOSITORY / name)
-    add_model(repo, WIDE_MODEL, wide=WIDE_BATCH, parameters={"cost_model": FIXED_COST})
-    add_model(repo, EXACT_MODEL)
+    # The wide variant compares each neighbour's vector with sentence-transformers': FP32, every row computed.
+    add_model(repo, WIDE_MODEL, wide=WIDE_BATCH, parameters={**FP32_NO_CACHE, "cost_model": FIXED_COST})
+    add_model(repo, EXACT_MODEL, parameters=FP32_NO_CACHE)
     for name in GENERATE_MODELS:
         built(name)
         add_model(repo, name, source=REPOSITORY / name)
@@ -89,10 +102,15 @@ def repository(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(repository, request):
-    options = ServerOptions(model_repository=repository, host="127.0.0.1", http_port=free_port(),
-                            grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                            load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, *GENERATE_MODELS,
-                                         TIGHT_MODEL))
+    options = ServerOptions(
+        model_repository=repository,
+        host="127.0.0.1",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        model_control="explicit",
+        load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, *GENERATE_MODELS, TIGHT_MODEL),
+    )
     triton = TritonServer(options)
     try:
         triton.start()
@@ -145,8 +163,9 @@ def pytest_runtest_makereport(item, call):
         report.sections.append(("tritonserver log (tail)", triton.log_tail(80)))
 
 
-def infer(server, protocol: str, model: str, inputs: list[tuple[str, np.ndarray, str]],
-          outputs: list[str]) -> dict[str, np.ndarray]:
+def infer(
+    server, protocol: str, model: str, inputs: list[tuple[str, np.ndarray, str]], outputs: list[str]
+) -> dict[str, np.ndarray]:
     """Send exactly ``inputs`` ([(name, array, Triton datatype)]) to ``model``; return the ``outputs`` by name."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
@@ -165,8 +184,14 @@ def infer(server, protocol: str, model: str, inputs: list[tuple[str, np.ndarray,
         client.close()
 
 
-def infer_concurrently(server, protocol: str, model: str, requests: list[list[tuple[str, np.ndarray, str]]],
-                       outputs: list[str], concurrency: int = 16) -> list[dict[str, np.ndarray] | Exception]:
+def infer_concurrently(
+    server,
+    protocol: str,
+    model: str,
+    requests: list[list[tuple[str, np.ndarray, str]]],
+    outputs: list[str],
+    concurrency: int = 16,
+) -> list[dict[str, np.ndarray] | Exception]:
     """Send every request at once (``concurrency`` in flight), so Triton batches them; results in order.
 
     gRPC: one thread-safe client over a thread pool. HTTP: one gevent-based client's
@@ -190,9 +215,12 @@ def infer_concurrently(server, protocol: str, model: str, requests: list[list[tu
     if protocol == "http":
         client = httpclient.InferenceServerClient(server.http_url, concurrency=concurrency)
         try:
-            pending = [client.async_infer(model, items(httpclient, r),
-                                          outputs=[httpclient.InferRequestedOutput(n) for n in outputs])
-                       for r in requests]
+            pending = [
+                client.async_infer(
+                    model, items(httpclient, r), outputs=[httpclient.InferRequestedOutput(n) for n in outputs]
+                )
+                for r in requests
+            ]
             answers: list[dict[str, np.ndarray] | Exception] = []
             for handle in pending:
                 try:
@@ -206,8 +234,11 @@ def infer_concurrently(server, protocol: str, model: str, requests: list[list[tu
 
     def one(request):
         try:
-            return unpack(client.infer(model, items(grpcclient, request),
-                                       outputs=[grpcclient.InferRequestedOutput(n) for n in outputs]))
+            return unpack(
+                client.infer(
+                    model, items(grpcclient, request), outputs=[grpcclient.InferRequestedOutput(n) for n in outputs]
+                )
+            )
         except InferenceServerException as exc:
             return exc
 
@@ -218,8 +249,9 @@ def infer_concurrently(server, protocol: str, model: str, requests: list[list[tu
         client.close()
 
 
-def in_one_execute(server, model: str, requests: list[list[tuple[str, np.ndarray, str]]],
-                   outputs: list[str]) -> list[dict[str, np.ndarray] | Exception]:
+def in_one_execute(
+    server, model: str, requests: list[list[tuple[str, np.ndarray, str]]], outputs: list[str]
+) -> list[dict[str, np.ndarray] | Exception]:
     """Send ``requests`` at once to a ``wide`` model (it waits for exactly that many); their answers, in order.
 
     Asserts that Triton handed them to one ``execute``, so a test can show what one bad
@@ -246,8 +278,9 @@ def in_one_execute(server, model: str, requests: list[list[tuple[str, np.ndarray
     for thread in threads:
         thread.join(timeout=60)
     deadline = time.monotonic() + 5
-    while ((after := model_counts(server.grpc_url, model))[0] < before[0] + len(requests)
-           and time.monotonic() < deadline):
+    while (after := model_counts(server.grpc_url, model))[0] < before[0] + len(
+        requests
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)  # statistics land just after the responses
     assert after[1] - before[1] == 1, f"the {len(requests)} requests should have shared one execute()"
     return results  # type: ignore[return-value]

@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from coalesce_client import EmbeddingClient
-from tests.integration.conftest import EXACT_MODEL, add_model
+from tests.integration.conftest import EXACT_MODEL, FP32_NO_CACHE, add_model
 from tests.integration.test_cache import metric, settled_metric
 
 MODEL = "adaptive"
@@ -25,15 +25,23 @@ LIMITED = "adaptive_limited"
 def adaptive_config(**parameters):
     parameters = {"scheduling": "adaptive", **parameters}
     entries = "".join(f'{{ key: "{k}", value: {{ string_value: "{v}" }} }},\n  ' for k, v in parameters.items())
-    return {r"max_queue_delay_microseconds: \d+": "max_queue_delay_microseconds: 0",
-            r'\{ key: "runtime"': entries + '{ key: "runtime"'}
+    return {
+        r"max_queue_delay_microseconds: \d+": "max_queue_delay_microseconds: 0",
+        r'\{ key: "runtime"': entries + '{ key: "runtime"',
+    }
 
 
 @pytest.fixture(scope="module")
 def adaptive_models(server, repository):
-    add_model(repository, MODEL, replace=adaptive_config(target_p99_ms="60000"))
-    add_model(repository, LIMITED, replace=adaptive_config(target_p99_ms="60000", tenant_max_rows_per_s="noisy:3",
-                                                            max_dispatch_rows="1"))
+    # FP32 without a row cache: each request's vectors are held to minilm_fp32's exactly (an INT8 vector may
+    # differ in its last digits with the rows beside it in a pass), and every row is scheduled, none cached.
+    add_model(repository, MODEL, replace=adaptive_config(target_p99_ms="60000"), parameters=FP32_NO_CACHE)
+    add_model(
+        repository,
+        LIMITED,
+        replace=adaptive_config(target_p99_ms="60000", tenant_max_rows_per_s="noisy:3", max_dispatch_rows="1"),
+        parameters=FP32_NO_CACHE,
+    )
     client = httpclient.InferenceServerClient(server.http_url)
     for name in (MODEL, LIMITED):
         client.load_model(name)
@@ -45,8 +53,11 @@ def adaptive_models(server, repository):
 
 def cancelled(server):
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    pattern = re.compile(rf'^coalesce_rejections_total\{{(?=[^}}]*model="{LIMITED}")(?=[^}}]*reason="cancelled")'
-                         r'[^}]*\} (\S+)$', re.M)
+    pattern = re.compile(
+        rf'^coalesce_rejections_total\{{(?=[^}}]*model="{LIMITED}")(?=[^}}]*reason="cancelled")'
+        r"[^}]*\} (\S+)$",
+        re.M,
+    )
     return sum(float(v) for v in pattern.findall(text))
 
 
@@ -109,8 +120,10 @@ def test_a_rate_limited_tenant_is_refused_and_the_others_are_served(server, adap
     assert outcomes["quiet"] == [(1, 384)] * 12
     refused = [o for o in outcomes["noisy"] if o != (1, 384)]
     assert refused, "the noisy tenant was never limited"
-    assert all(status == "StatusCode.UNAVAILABLE" and "tenant 'noisy' is over its rate limit (3 rows/s)" in message
-               for status, message in refused)
+    assert all(
+        status == "StatusCode.UNAVAILABLE" and "tenant 'noisy' is over its rate limit (3 rows/s)" in message
+        for status, message in refused
+    )
 
 
 def steady(read, *, quiet_s=0.3, timeout_s=30.0):
@@ -143,8 +156,10 @@ def test_cancelled_requests_are_dropped_before_they_are_computed(server, adaptiv
     try:
         # One row per dispatch: the queue holds the later requests while the first ones run (enough of
         # them that a fast machine has not answered 8 before the metric shows them queued).
-        contexts = [client.async_infer(LIMITED, [text_input([f"{i} {long_text}"])], callback,
-                                       parameters={"tenant": "quiet"}) for i in range(sent)]
+        contexts = [
+            client.async_infer(LIMITED, [text_input([f"{i} {long_text}"])], callback, parameters={"tenant": "quiet"})
+            for i in range(sent)
+        ]
         # Cancel only once the backend holds them queued (no race on a sleep).
         settled_metric(server, "coalesce_queue_requests", LIMITED, lambda v: v >= 8)
         for context in contexts[4:]:
@@ -168,7 +183,9 @@ def test_the_client_sends_tenant_and_deadline_and_names_refusals(server, adaptiv
 
     with EmbeddingClient(server.http_url, protocol="http", model=MODEL, tenant="acme", priority_level=2) as client:
         assert client.embed(["a tenant's text"]).shape == (1, 384)
-    with EmbeddingClient(server.grpc_url, model=MODEL, deadline_s=1e-6) as client, \
-            pytest.raises(RequestRejectedError, match="cannot meet its deadline"):
+    with (
+        EmbeddingClient(server.grpc_url, model=MODEL, deadline_s=1e-6) as client,
+        pytest.raises(RequestRejectedError, match="cannot meet its deadline"),
+    ):
         client.embed(["too little time"])
     settled_metric(server, "coalesce_tenant_rows_total", MODEL, lambda v: v >= 1)

@@ -9,7 +9,7 @@ import pytest
 
 from coalesce_client import EmbeddingClient
 from coalesce_client.client import encode_texts
-from tests.integration.conftest import EXACT_MODEL, FIXED_COST, infer
+from tests.integration.conftest import EXACT_MODEL, FIXED_COST, FP32_NO_CACHE, infer
 
 
 def metric(server, name, model):
@@ -44,7 +44,8 @@ def settled_metric(server, name, model, condition, timeout_s=30.0):
 
 
 def test_cached_rows_match_computed_and_are_counted(server, scratch_model, http_client):
-    scratch_model("cached", parameters={"cache_bytes": "1048576"})
+    # FP32 with a small cache, so that rows computed here can be held to minilm_fp32's exactly.
+    scratch_model("cached", parameters={**FP32_NO_CACHE, "cache_bytes": "1048576"})
     http_client.load_model("cached")
     with EmbeddingClient(server.grpc_url, model="cached") as client:
         first = client.embed(["a cached sentence", "another one"])
@@ -61,14 +62,35 @@ def test_cached_rows_match_computed_and_are_counted(server, scratch_model, http_
     settled_metric(server, "coalesce_cache_resident_bytes", "cached", lambda v: v > 3 * 384 * 4)
 
 
+def test_the_shipped_minilm_answers_a_repeated_text_from_its_row_cache(server):
+    """minilm as shipped (INT8, 64 MiB row cache): a text seen before is not computed again, and its bytes repeat."""
+    text = f"a text the shipped row cache has not seen, {time.time_ns()}"
+    hits = metric(server, "coalesce_cache_hits_total", "minilm")
+    misses = metric(server, "coalesce_cache_misses_total", "minilm")
+    passes = metric(server, "coalesce_forward_passes_total", "minilm")
+    with EmbeddingClient(server.grpc_url, model="minilm") as client:
+        first = client.embed([text])
+        settled_metric(server, "coalesce_cache_misses_total", "minilm", lambda v: v == misses + 1)
+        computed = settled_metric(server, "coalesce_forward_passes_total", "minilm", lambda v: v == passes + 1)
+        again = client.embed([text])
+    assert again.tobytes() == first.tobytes()
+    settled_metric(server, "coalesce_cache_hits_total", "minilm", lambda v: v == hits + 1)
+    assert metric(server, "coalesce_cache_misses_total", "minilm") == misses + 1
+    assert metric(server, "coalesce_forward_passes_total", "minilm") == computed  # no pass for the repeat
+
+
 def _classify_rows(rows):
-    return [("TEXT", encode_texts([q for q, _ in rows]), "BYTES"), ("TEXT_PAIR", encode_texts([d for _, d in rows]),
-                                                                       "BYTES")]
+    return [
+        ("TEXT", encode_texts([q for q, _ in rows]), "BYTES"),
+        ("TEXT_PAIR", encode_texts([d for _, d in rows]), "BYTES"),
+    ]
 
 
 def _token_rows(rows):
-    return [("input_ids", np.array(rows, dtype=np.int64), "INT64"),
-            ("token_type_ids", np.zeros((len(rows), len(rows[0])), dtype=np.int64), "INT64")]
+    return [
+        ("input_ids", np.array(rows, dtype=np.int64), "INT64"),
+        ("token_type_ids", np.zeros((len(rows), len(rows[0])), dtype=np.int64), "INT64"),
+    ]
 
 
 def _digit_rows(rows):
@@ -78,12 +100,20 @@ def _digit_rows(rows):
 #: Per task: example model, output, how a request of rows is made, a first request and a second one
 #: holding two of its rows (in another order), one new row and a duplicate of that new row.
 TASK_CASES = {
-    "classify": ("minilm_rerank", "SCORES", _classify_rows,
-                 [("q", "first document"), ("q", "second document")],
-                 [("q", "second document"), ("q", "new"), ("q", "new"), ("q", "first document")]),
-    "tensor_variable": ("minilm_tokens", "last_hidden_state", _token_rows,
-                        [[101, 2000, 102], [101, 3000, 102]],
-                        [[101, 3000, 102], [101, 4000, 102], [101, 4000, 102], [101, 2000, 102]]),
+    "classify": (
+        "minilm_rerank",
+        "SCORES",
+        _classify_rows,
+        [("q", "first document"), ("q", "second document")],
+        [("q", "second document"), ("q", "new"), ("q", "new"), ("q", "first document")],
+    ),
+    "tensor_variable": (
+        "minilm_tokens",
+        "last_hidden_state",
+        _token_rows,
+        [[101, 2000, 102], [101, 3000, 102]],
+        [[101, 3000, 102], [101, 4000, 102], [101, 4000, 102], [101, 2000, 102]],
+    ),
     "tensor_fixed": ("digits", "logits", _digit_rows, [1.0, 2.0], [2.0, 5.0, 5.0, 1.0]),
 }
 

@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 from coalesce_client import EmbeddingClient
 from coalesce_client.client import encode_texts
 from coalesce_client.load import run_load, sample_texts
-from tests.conftest import TRICKY_TEXTS
+from tests.conftest import TRICKY_TEXTS, model_config
 from tests.integration.conftest import EXACT_MODEL, WIDE_BATCH, WIDE_MODEL, in_one_execute, infer
 from tests.integration.test_cache import settled_metric
 
@@ -53,11 +53,27 @@ def test_matches_sentence_transformers(server, protocol, reference_model):
     assert cosine.min() >= 0.999, dict(zip(TRICKY_TEXTS, cosine.tolist(), strict=True))
 
 
+def test_minilm_is_served_as_shipped(server, grpc_client):
+    """The server runs model_repository/minilm's config unchanged: INT8 and a 64 MiB row cache."""
+    shipped = {k: v["string_value"] for k, v in model_config("minilm")["parameters"].items()}
+    served = {
+        k: v["string_value"]
+        for k, v in grpc_client.get_model_config("minilm", as_json=True)["config"]["parameters"].items()
+    }
+    assert served == shipped
+    assert (served["precision"], served["cache_bytes"]) == ("int8", str(64 << 20))
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_the_shipped_int8_model_stays_within_its_guard_of_sentence_transformers(server, protocol, reference_model):
     texts = (TRICKY_TEXTS + sample_texts(64, seed=11))[:64]  # one request: up to max_batch_size rows
+    texts = [f"{t} ({protocol})" for t in texts]  # new to the row cache: each vector is computed here
     want = reference_model.encode(texts, normalize_embeddings=True)
-    together = (embed_raw(server, protocol, texts) * want).sum(axis=1)
+    served = embed_raw(server, protocol, texts)
+    # The INT8 graph answered, not the FP32 one: its vectors are close to FP32's but not equal.
+    fp32 = embed_raw(server, protocol, texts, model=EXACT_MODEL)
+    assert not np.array_equal(served, fp32)
+    together = (served * want).sum(axis=1)
     with ThreadPoolExecutor(max_workers=8) as pool:  # and one text per request, batched by Triton
         apart = np.concatenate(list(pool.map(lambda t: embed_raw(server, protocol, [f"{t} (apart)"]), texts)))
     alone = (apart * reference_model.encode([f"{t} (apart)" for t in texts], normalize_embeddings=True)).sum(axis=1)
@@ -66,24 +82,28 @@ def test_the_shipped_int8_model_stays_within_its_guard_of_sentence_transformers(
 
 
 def test_one_request_of_many_equals_many_requests_of_one(server):
+    """Coalescing changes no vector: FP32 without a row cache, so that every row is computed both ways."""
     texts = sample_texts(40, seed=3) + TRICKY_TEXTS
-    together = embed_raw(server, "grpc", texts)
+    together = embed_raw(server, "grpc", texts, model=EXACT_MODEL)
     with ThreadPoolExecutor(max_workers=16) as pool:
-        apart = list(pool.map(lambda t: embed_raw(server, "grpc", [t])[0], texts))
+        apart = list(pool.map(lambda t: embed_raw(server, "grpc", [t], model=EXACT_MODEL)[0], texts))
     cosine = (together * np.stack(apart)).sum(axis=1)
     assert cosine.min() >= 0.99999
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-@pytest.mark.parametrize(("case", "fragment"), [
-    ("wrong_dtype", "data-type is 'FP32', but model 'minilm' expects 'BYTES'"),
-    ("unknown_input", "unexpected inference input 'PROMPT'"),
-    ("over_max_batch", "batch-size must be <= 64"),
-    ("non_utf8", "input 'TEXT' row 1 is not valid UTF-8: byte 0xff at offset 3"),
-    # Triton refuses an empty batch itself, before the backend sees it (the backend's own refusal,
-    # "input 'TEXT' has no rows", is unit-tested).
-    ("empty", "expected 1 string elements for inference input 'TEXT' for model 'minilm', got 0"),
-])
+@pytest.mark.parametrize(
+    ("case", "fragment"),
+    [
+        ("wrong_dtype", "data-type is 'FP32', but model 'minilm' expects 'BYTES'"),
+        ("unknown_input", "unexpected inference input 'PROMPT'"),
+        ("over_max_batch", "batch-size must be <= 64"),
+        ("non_utf8", "input 'TEXT' row 1 is not valid UTF-8: byte 0xff at offset 3"),
+        # Triton refuses an empty batch itself, before the backend sees it (the backend's own refusal,
+        # "input 'TEXT' has no rows", is unit-tested).
+        ("empty", "expected 1 string elements for inference input 'TEXT' for model 'minilm', got 0"),
+    ],
+)
 def test_bad_inputs_get_clear_errors(server, protocol, case, fragment):
     specs = {
         "wrong_dtype": [("TEXT", np.ones((1, 1), dtype=np.float32), "FP32")],
@@ -107,8 +127,9 @@ def test_bad_request_in_a_batch_does_not_fail_its_neighbours(server, reference_m
     texts = [f"neighbour number {i}" for i in range(WIDE_BATCH)]
     payloads = [[t.encode()] for t in texts]
     payloads[2] = [b"\xc3\x28 invalid"]  # one row, so the six requests are exactly six rows
-    results = in_one_execute(server, WIDE_MODEL, [[("TEXT", encode_texts(p), "BYTES")] for p in payloads],
-                             ["EMBEDDING"])
+    results = in_one_execute(
+        server, WIDE_MODEL, [[("TEXT", encode_texts(p), "BYTES")] for p in payloads], ["EMBEDDING"]
+    )
     assert isinstance(results[2], InferenceServerException)
     assert "row 0 is not valid UTF-8: byte 0xc3" in results[2].message()
     want = reference_model.encode(texts, normalize_embeddings=True)
@@ -133,8 +154,14 @@ def test_metrics_are_exported(server):
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         text = response.read().decode()
     labels = 'model="minilm",version="1"'
-    for family in ("coalesce_rows_total", "coalesce_forward_passes_total", "coalesce_real_tokens_total",
-                   "coalesce_padded_tokens_total", "coalesce_padding_ratio_count", "coalesce_executions_total"):
+    for family in (
+        "coalesce_rows_total",
+        "coalesce_forward_passes_total",
+        "coalesce_real_tokens_total",
+        "coalesce_padded_tokens_total",
+        "coalesce_padding_ratio_count",
+        "coalesce_executions_total",
+    ):
         lines = [line for line in text.splitlines() if line.startswith(family + "{") and labels in line]
         assert lines, f"{family} with {labels} missing"
         assert float(lines[0].rsplit(" ", 1)[1]) > 0

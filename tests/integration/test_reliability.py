@@ -1,11 +1,12 @@
 """A model whose stub dies serves again by itself; the admin API is locked; gRPC speaks TLS.
 
-One server of its own (it kills stubs): ``minilm`` and ``digits``, explicit model control
+One server of its own (it kills stubs): ``minilm`` and ``digits`` as shipped, explicit model control
 with an admin key, gRPC with a certificate made for the test, the supervisor's health port.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -44,10 +45,15 @@ def guarded(tmp_path_factory, certificates):
         built(name)
         add_model(repo, name, source=REPOSITORY / name)
     options = ServerOptions(
-        model_repository=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-        model_control="explicit", admin_key=ADMIN_KEY,
+        model_repository=repo,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        model_control="explicit",
+        admin_key=ADMIN_KEY,
         grpc_tls=GrpcTls(cert=certificates.server_cert, key=certificates.server_key),
-        supervisor=SupervisorOptions(health_port=free_port()))
+        supervisor=SupervisorOptions(health_port=free_port()),
+    )
     triton = TritonServer(options)
     try:
         triton.start()
@@ -57,8 +63,14 @@ def guarded(tmp_path_factory, certificates):
     triton.stop()
 
 
-def _get(url: str, *, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | None = None,
-         timeout_s: float = 5.0) -> tuple[int, bytes]:
+def _get(
+    url: str,
+    *,
+    method: str = "GET",
+    headers: dict[str, str] | None = None,
+    body: bytes | None = None,
+    timeout_s: float = 5.0,
+) -> tuple[int, bytes]:
     request = urllib.request.Request(url, method=method, headers=headers or {}, data=body)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -81,6 +93,12 @@ def _embed(url: str, texts: list[str]) -> np.ndarray:
         client.close()
 
 
+def _agree(got: np.ndarray, want: np.ndarray) -> bool:
+    """Whether each vector is the one wanted: minilm serves INT8, whose vector for a text may differ in the third
+    decimal with the rows beside it in a pass (and the row cache is empty after a reload)."""
+    return got.shape == want.shape and float((got * want).sum(axis=1).min()) >= 0.99
+
+
 def _model_ready(server: TritonServer, model: str) -> bool:
     return _get(f"http://{server.http_url}/v2/models/{model}/ready")[0] == 200
 
@@ -94,6 +112,7 @@ def test_a_killed_stub_is_replaced_and_serves_again(guarded):
     assert _get(f"{health}/ready")[0] == 200 and _get(f"{health}/live")[0] == 200
 
     stop = threading.Event()
+    numbers = itertools.count()
     calls: list[tuple[float, float, str]] = []  # (start, seconds, outcome)
     lock = threading.Lock()
 
@@ -101,8 +120,9 @@ def test_a_killed_stub_is_replaced_and_serves_again(guarded):
         while not stop.is_set():
             start = time.monotonic()
             try:
-                got = _embed(guarded.http_url, TEXTS)
-                outcome = "ok" if np.allclose(got, reference, atol=1e-5) else "WRONG VECTORS"
+                # The fixed texts come from the row cache until the kill; the new one is computed each time.
+                got = _embed(guarded.http_url, [*TEXTS, f"a text of its own, {next(numbers)}"])
+                outcome = "ok" if _agree(got[: len(TEXTS)], reference) else "WRONG VECTORS"
             except InferenceServerException as exc:
                 outcome = f"error: {exc.message()}"
             except Exception as exc:  # a timeout or a dropped connection is a typed failure too, if in time
@@ -139,16 +159,17 @@ def test_a_killed_stub_is_replaced_and_serves_again(guarded):
         stop.set()
         for thread in threads:
             thread.join(timeout=CALL_TIMEOUT_S + 5)
-    assert back_at is not None, f"minilm did not serve again within {RECOVERY_LIMIT_S + 5:.0f} s:\n" + \
-        guarded.log_tail(60)
+    assert back_at is not None, f"minilm did not serve again within {RECOVERY_LIMIT_S + 5:.0f} s:\n" + guarded.log_tail(
+        60
+    )
     assert back_at - killed_at <= RECOVERY_LIMIT_S, f"back after {back_at - killed_at:.1f} s"
-    assert np.allclose(_embed(guarded.http_url, TEXTS), reference, atol=1e-5)
+    assert _agree(_embed(guarded.http_url, TEXTS), reference)
     # While it could not serve, readiness said so: Triton's for the model, the supervisor's for the server.
     during = [r for r in readiness if killed_at < r[0] < back_at]
     assert any(not model for _, model, _ in during), "the model was never reported not ready"
     assert any(not server for _, _, server in during), "the supervisor's /ready never said 503"
     assert readiness[-1][1] and readiness[-1][2], "ready again at the end"
-    # No call ran past its timeout; every one got vectors equal to the reference, or an error.
+    # No call ran past its timeout; every one got the reference's vectors, or an error.
     slow = [c for c in calls if c[1] > CALL_TIMEOUT_S + 1]
     assert not slow, slow[:5]
     wrong = [c for c in calls if c[2] == "WRONG VECTORS"]
@@ -182,8 +203,9 @@ def test_admin_api_needs_the_key(guarded, certificates):
         while _model_ready(guarded, "digits") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _model_ready(guarded, "digits")
-        status, body = _get(f"{base}/models/digits/load", method="POST", body=b"{}",
-                            headers={"admin-key": ADMIN_KEY}, timeout_s=120)
+        status, body = _get(
+            f"{base}/models/digits/load", method="POST", body=b"{}", headers={"admin-key": ADMIN_KEY}, timeout_s=120
+        )
         assert status == 200, body
         assert _model_ready(guarded, "digits")
         assert not guarded.supervisor.recoveries or all(m != "digits" for m, _ in guarded.supervisor.recoveries)
