@@ -37,7 +37,7 @@ cluster: setup         ## REPLICAS (2) tritonservers on $(MODEL_REPOSITORY), one
 
 cluster-test:          ## 2 replicas behind haproxy under traffic, one killed mid-run, a late one warm from Redis; writes perf/results/cluster-<date>.md
 	@bash scripts/setup.sh --dev
-	COALESCE_CLUSTER=1 CLUSTER_REPORT=perf/results/cluster-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_cluster.py
+	CLUSTER_REPORT=perf/results/cluster-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_cluster.py
 
 test: setup-dev lint   ## lint, then unit and integration tests (a real tritonserver)
 	$(BIN)/pytest $(PYTEST_ARGS) tests perf/tests
@@ -77,7 +77,7 @@ soak:                  ## SOAK_S seconds (600) of mixed load, bad inputs, Redis 
 
 flood:                 ## 64 threads of 1 MiB rows at minilm for FLOOD_SECONDS (60): RSS bounded, canaries answered; writes perf/results/flood-<date>.md
 	@bash scripts/setup.sh --dev
-	COALESCE_FLOOD=1 FLOOD_REPORT=perf/results/flood-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_flood.py
+	FLOOD_REPORT=perf/results/flood-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_flood.py
 
 capacity:              ## replicas for a load and p99 on paper, from committed results (CAPACITY_ARGS: --rows-per-s, --p99-ms, --repeat-rates); writes perf/results/capacity-*
 	@bash scripts/setup.sh --dev

@@ -2,7 +2,7 @@
 
 The configuration test runs with the integration tests. The cluster test is slow (about two
 minutes on 2 cores) and runs only when asked: ``pytest -m slow tests/integration/test_cluster.py``
-or ``make cluster-test`` (``COALESCE_CLUSTER=1``), which records its result in the Markdown
+or ``make cluster-test``, which records its result in the Markdown
 file ``CLUSTER_REPORT`` names (``perf/results/cluster-<date>.md``).
 
 The cluster test, on real processes only: two replicas of ``minilm`` (FP32, so every vector
@@ -22,7 +22,6 @@ import datetime
 import os
 import platform
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -66,12 +65,6 @@ MIN_COSINE_REFERENCE = 0.999
 MIN_COSINE_AGREE = 0.99999
 
 
-def asked_for(config: pytest.Config) -> bool:
-    """Whether the slow test was asked for: ``-m slow`` (not ``-m "not slow"``), or ``COALESCE_CLUSTER=1``."""
-    expression = config.getoption("markexpr", default="") or ""
-    return bool(os.environ.get("COALESCE_CLUSTER")) or re.search(r"(?<!not )\bslow\b", expression) is not None
-
-
 def test_the_generated_haproxy_config_is_valid_for_haproxy(tmp_path):
     replicas = {f"r{i}": ReplicaPorts.numbered(i, 8100) for i in range(3)}
     path = tmp_path / "haproxy.cfg"
@@ -104,8 +97,15 @@ class CountingRetry(RetryPolicy):
 class Traffic:
     """Client threads calling the balancer until stopped; every answer checked against the reference."""
 
-    def __init__(self, cluster: Cluster, texts: list[str], reference: dict[str, np.ndarray], *, seed: int,
-                 fresh: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        texts: list[str],
+        reference: dict[str, np.ndarray],
+        *,
+        seed: int,
+        fresh: list[str] | None = None,
+    ) -> None:
         assert cluster.balancer is not None
         self.urls = {"grpc": cluster.balancer.grpc_url, "http": cluster.balancer.http_url}
         self.texts, self.reference = texts, reference
@@ -122,8 +122,10 @@ class Traffic:
         self.first_answer: dict[str, np.ndarray] = {}
         self.min_cosine_reference = 1.0
         self.min_cosine_agree = 1.0
-        self.threads = [threading.Thread(target=self._run, args=(protocol, n), name=f"traffic-{protocol}-{n}")
-                        for n, protocol in enumerate(THREADS)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(protocol, n), name=f"traffic-{protocol}-{n}")
+            for n, protocol in enumerate(THREADS)
+        ]
 
     @property
     def total(self) -> int:
@@ -149,8 +151,9 @@ class Traffic:
 
     def _run(self, protocol: str, n: int) -> None:
         rng = random.Random(self.seed * 100 + n)
-        with EmbeddingClient(self.urls[protocol], protocol=protocol, model=MODEL, timeout_s=60.0,
-                             retry=self.retries[protocol]) as client:
+        with EmbeddingClient(
+            self.urls[protocol], protocol=protocol, model=MODEL, timeout_s=60.0, retry=self.retries[protocol]
+        ) as client:
             i = 0
             while not self.stop_event.is_set():
                 texts = rng.sample(self.texts, rng.randint(1, 4))
@@ -187,42 +190,47 @@ class Traffic:
 def served(cluster: Cluster) -> dict[tuple[str, str], int]:
     """Requests each replica answered with 2xx through each backend, per haproxy: {(backend, replica): count}."""
     assert cluster.balancer is not None
-    return {(row["pxname"], row["svname"]): int(row["hrsp_2xx"] or 0) for row in cluster.balancer.stats()
-            if row["pxname"] in (HTTP_BACKEND, GRPC_BACKEND)}
+    return {
+        (row["pxname"], row["svname"]): int(row["hrsp_2xx"] or 0)
+        for row in cluster.balancer.stats()
+        if row["pxname"] in (HTTP_BACKEND, GRPC_BACKEND)
+    }
 
 
 def replica_counters(replica) -> dict[str, float]:
-    names = ("coalesce_shared_cache_hits_total", "coalesce_shared_cache_misses_total", "coalesce_cache_hits_total",
-             "coalesce_rows_total")
+    names = (
+        "coalesce_shared_cache_hits_total",
+        "coalesce_shared_cache_misses_total",
+        "coalesce_cache_hits_total",
+        "coalesce_rows_total",
+    )
     return {name: metric(replica, name, MODEL) for name in names}
 
 
 @pytest.fixture(scope="module")
-def slow_asked(request):
-    if not asked_for(request.config):
-        pytest.skip("slow (minutes): `pytest -m slow tests/integration/test_cluster.py` or `make cluster-test`")
-
-
-@pytest.fixture(scope="module")
-def pools(slow_asked):
+def pools():
     texts = workloads.queries(REPEATED + FRESH, seed=20261205)
     return texts[:REPEATED], texts[REPEATED:]
 
 
 @pytest.fixture(scope="module")
-def reference(slow_asked, pools, reference_model):
+def reference(pools, reference_model):
     texts = pools[0] + pools[1]
     vectors = reference_model.encode(texts, normalize_embeddings=True, batch_size=64)
     return dict(zip(texts, np.asarray(vectors, dtype=np.float32), strict=True))
 
 
 @pytest.fixture(scope="module")
-def cluster(slow_asked, reference):
+def cluster(reference):
     built(MODEL)
     options = ClusterOptions(
-        model_repository=REPOSITORY, replicas=2, replica_port_base=0, load_models=(MODEL,),
+        model_repository=REPOSITORY,
+        replicas=2,
+        replica_port_base=0,
+        load_models=(MODEL,),
         parameters={"precision": "fp32"},
-        balancer=BalancerOptions(http_port=free_port(), grpc_port=free_port(), stats_port=free_port()))
+        balancer=BalancerOptions(http_port=free_port(), grpc_port=free_port(), stats_port=free_port()),
+    )
     lines: list[str] = []
     started = time.monotonic()
     running = Cluster(options, log=lambda line: lines.append(f"{time.monotonic() - started:7.2f} s  {line}"))
@@ -235,12 +243,16 @@ def cluster(slow_asked, reference):
 
 def diagnostics(cluster: Cluster) -> str:
     assert cluster.balancer is not None
-    return ("\ncluster:\n" + "\n".join(cluster.lines)  # type: ignore[attr-defined]
-            + f"\nhaproxy:\n{cluster.balancer.log_tail()}\n"
-            + "\n".join(f"{r.name}:\n{r.server.log_tail(20)}" for r in cluster.replicas))
+    return (
+        "\ncluster:\n"
+        + "\n".join(cluster.lines)  # type: ignore[attr-defined]
+        + f"\nhaproxy:\n{cluster.balancer.log_tail()}\n"
+        + "\n".join(f"{r.name}:\n{r.server.log_tail(20)}" for r in cluster.replicas)
+    )
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_calls_through_the_balancer_survive_a_killed_replica_and_a_late_one_starts_warm(cluster, pools, reference):
     import redis
 
@@ -252,8 +264,9 @@ def test_calls_through_the_balancer_survive_a_killed_replica_and_a_late_one_star
     traffic = Traffic(cluster, pools[0], reference, seed=1, fresh=pools[1]).start()
     try:
         # 1. Both replicas answer, over both protocols.
-        assert wait_for(lambda: traffic.total >= 500 and all(v > 0 for v in served(cluster).values()), 120), \
+        assert wait_for(lambda: traffic.total >= 500 and all(v > 0 for v in served(cluster).values()), 120), (
             f"traffic did not reach both replicas: {served(cluster)}, {traffic.calls}" + diagnostics(cluster)
+        )
         # 2. One replica's server is killed mid-run.
         calls_at_kill = traffic.total
         killed_pid = victim.server.pid
@@ -269,14 +282,18 @@ def test_calls_through_the_balancer_survive_a_killed_replica_and_a_late_one_star
         up_at = time.monotonic()
         calls_while_out = traffic.total - calls_at_kill
         before = served(cluster)
-        assert wait_for(lambda: all(served(cluster)[(b, victim.name)] >= before[(b, victim.name)] + 20
-                                    for b in (HTTP_BACKEND, GRPC_BACKEND)), 60), \
-            "the restarted replica got no traffic" + diagnostics(cluster)
+        assert wait_for(
+            lambda: all(
+                served(cluster)[(b, victim.name)] >= before[(b, victim.name)] + 20 for b in (HTTP_BACKEND, GRPC_BACKEND)
+            ),
+            60,
+        ), "the restarted replica got no traffic" + diagnostics(cluster)
     finally:
         traffic.stop()
     stats_phase1 = {(row["pxname"], row["svname"]): row for row in balancer.stats()}
-    assert traffic.failures == [], f"{len(traffic.failures)} calls failed: {traffic.failures[:5]}" \
-        + diagnostics(cluster)
+    assert traffic.failures == [], f"{len(traffic.failures)} calls failed: {traffic.failures[:5]}" + diagnostics(
+        cluster
+    )
     assert traffic.wrong == [], traffic.wrong[:5]
     assert victim.server.pid not in (None, killed_pid) and victim.restarts == 1
     restarted = replica_counters(victim)
@@ -285,8 +302,9 @@ def test_calls_through_the_balancer_survive_a_killed_replica_and_a_late_one_star
     store = redis.Redis.from_url(cluster.redis.url, password=cluster.redis_password)
     try:
         # Every row answered is in Redis once the replicas' background writers have caught up.
-        assert wait_for(lambda: store.dbsize() >= len(traffic.first_answer), 30), \
+        assert wait_for(lambda: store.dbsize() >= len(traffic.first_answer), 30), (
             f"Redis holds {store.dbsize()} rows of {len(traffic.first_answer)}"
+        )
         keys_in_redis = int(store.dbsize())
     finally:
         store.close()
@@ -308,8 +326,13 @@ def test_calls_through_the_balancer_survive_a_killed_replica_and_a_late_one_star
     # 5. Through the balancer, the late replica takes its share too.
     after = Traffic(cluster, pools[0], reference, seed=2).start()
     try:
-        assert wait_for(lambda: all(served(cluster).get((b, late.name), 0) > 0 for b in (HTTP_BACKEND, GRPC_BACKEND))
-                        and after.total >= 200, 60), "the late replica got no traffic" + diagnostics(cluster)
+        assert wait_for(
+            lambda: (
+                all(served(cluster).get((b, late.name), 0) > 0 for b in (HTTP_BACKEND, GRPC_BACKEND))
+                and after.total >= 200
+            ),
+            60,
+        ), "the late replica got no traffic" + diagnostics(cluster)
     finally:
         after.stop()
     assert after.failures == [] and after.wrong == [], (after.failures[:5], after.wrong[:5])
@@ -319,16 +342,33 @@ def test_calls_through_the_balancer_survive_a_killed_replica_and_a_late_one_star
     if report:
         durations = sorted(end - start for _, start, end in traffic.timings)
         overlapping = [end - start for _, start, end in traffic.timings if start <= up_at and end >= killed_at]
-        write_report(Path(report), {
-            "wall_start": wall_start, "wall_end": datetime.datetime.now(datetime.timezone.utc),
-            "cluster": cluster, "traffic": traffic, "after": after, "stats": stats_phase1,
-            "start_s": cluster.start_s, "test_s": time.monotonic() - began,  # type: ignore[attr-defined]
-            "down_s": down_at - killed_at, "up_s": up_at - killed_at, "calls_while_out": calls_while_out,
-            "p50_ms": 1000 * statistics.median(durations), "p99_ms": 1000 * durations[int(0.99 * len(durations))],
-            "max_overlap_ms": 1000 * max(overlapping), "overlapping": len(overlapping),
-            "restarted": restarted, "late_start_s": late_start_s, "late_hits": hits, "late_counts": late_counts,
-            "late_after": late_after, "keys_in_redis": keys_in_redis, "late_cosine": float(cosine.min()),
-        })
+        write_report(
+            Path(report),
+            {
+                "wall_start": wall_start,
+                "wall_end": datetime.datetime.now(datetime.timezone.utc),
+                "cluster": cluster,
+                "traffic": traffic,
+                "after": after,
+                "stats": stats_phase1,
+                "start_s": cluster.start_s,
+                "test_s": time.monotonic() - began,  # type: ignore[attr-defined]
+                "down_s": down_at - killed_at,
+                "up_s": up_at - killed_at,
+                "calls_while_out": calls_while_out,
+                "p50_ms": 1000 * statistics.median(durations),
+                "p99_ms": 1000 * durations[int(0.99 * len(durations))],
+                "max_overlap_ms": 1000 * max(overlapping),
+                "overlapping": len(overlapping),
+                "restarted": restarted,
+                "late_start_s": late_start_s,
+                "late_hits": hits,
+                "late_counts": late_counts,
+                "late_after": late_after,
+                "keys_in_redis": keys_in_redis,
+                "late_cosine": float(cosine.min()),
+            },
+        )
 
 
 def _version(command: list[str]) -> str:
@@ -357,10 +397,11 @@ def write_report(path: Path, r: dict) -> None:
 
     restarted, late, late_after = r["restarted"], r["late_counts"], r["late_after"]
     lines = [
-        f"# Cluster {r['wall_start']:%Y%m%d} ({r['wall_start']:%H:%M}-{r['wall_end']:%H:%M} UTC)", "",
+        f"# Cluster {r['wall_start']:%Y%m%d} ({r['wall_start']:%H:%M}-{r['wall_end']:%H:%M} UTC)",
+        "",
         f"- machine: {os.cpu_count()} cores, {platform.machine()}, no GPU; {_version(['haproxy', '-v'])}; "
         f"{_version(['redis-server', '--version'])}",
-        "- command: `make cluster-test` (`COALESCE_CLUSTER=1 pytest -m slow -s tests/integration/test_cluster.py`), "
+        "- command: `make cluster-test` (`pytest -m slow -s tests/integration/test_cluster.py`), "
         f"{r['test_s']:.0f} s after a cluster start of {r['start_s']:.1f} s",
         f"- cluster (`coalesce_tools.cluster.Cluster`, as `make cluster` runs it, on free ports): 2 replicas of "
         f"`{MODEL}` (its shipped config with `precision: fp32`: 64 MiB row cache in process, plus the shared tier "
@@ -385,17 +426,24 @@ def write_report(path: Path, r: dict) -> None:
         _calls_row("gRPC, after r2 joined", after, "grpc"),
         _calls_row("HTTP, after r2 joined", after, "http"),
         "",
-        "Client retries by error: " + (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or
-                                       "none: the balancer sent every request the killed replica refused or dropped "
-                                       "to the other replica itself (wredis below)") + ".",
+        "Client retries by error: "
+        + (
+            ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+            or "none: the balancer sent every request the killed replica refused or dropped "
+            "to the other replica itself (wredis below)"
+        )
+        + ".",
         f"Vectors: lowest cosine with sentence-transformers "
         f"{min(traffic.min_cosine_reference, after.min_cosine_reference):.7f}, lowest between two answers for one "
         f"text {min(traffic.min_cosine_agree, after.min_cosine_agree):.7f}.",
         "",
         "| haproxy, across the kill and the restart | HTTP backend | gRPC backend |",
         "| --- | --- | --- |",
-        *(f"| requests answered 2xx by {name} | {stat(HTTP_BACKEND, name, 'hrsp_2xx')} | "
-          f"{stat(GRPC_BACKEND, name, 'hrsp_2xx')} |" for name in ("r0", "r1")),
+        *(
+            f"| requests answered 2xx by {name} | {stat(HTTP_BACKEND, name, 'hrsp_2xx')} | "
+            f"{stat(GRPC_BACKEND, name, 'hrsp_2xx')} |"
+            for name in ("r0", "r1")
+        ),
         f"| requests sent again (wretr) | {stat(HTTP_BACKEND, 'BACKEND', 'wretr')} | "
         f"{stat(GRPC_BACKEND, 'BACKEND', 'wretr')} |",
         f"| ... to another replica (wredis) | {stat(HTTP_BACKEND, 'BACKEND', 'wredis')} | "

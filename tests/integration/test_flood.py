@@ -1,6 +1,6 @@
 """A flood of 1 MiB rows: memory levels off under a bound, small requests keep being answered, refusals say why.
 
-Slow (a minute and more, GBs of traffic): ``make flood`` runs it (``COALESCE_FLOOD=1``) and
+Slow (a minute and more, GBs of traffic): ``make flood`` runs it (``pytest -m slow``) and
 records its last result in ``perf/results/flood-<date>.md``. Knobs, from the environment:
 ``FLOOD_SECONDS`` (60), ``FLOOD_THREADS`` (64), ``FLOOD_ROWS`` (rows per request, cycled per
 thread: ``1,64``, so half the requests are 64 x 1 MiB and over ``max_request_bytes``),
@@ -31,10 +31,8 @@ MIB = 1 << 20
 MAX_REQUEST_BYTES = 4 * MIB
 KNOWN_REFUSALS = ("(parameter 'max_request_bytes')", "request refused: ")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not os.environ.get("COALESCE_FLOOD"), reason="slow: run it with `make flood`"),
-]
+#: Deselected by default (``-m "not slow"`` in pyproject's pytest options); ``make flood`` runs it with ``-m slow``.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def _env(name: str, default: str) -> str:
@@ -55,9 +53,14 @@ class Sampler(threading.Thread):
         start = time.monotonic()
         while not self.stop.is_set():
             children = [s.pid for s in stub_processes(self.server_pid)]
-            self.samples.append((time.monotonic() - start, rss_kib(self.server_pid),
-                                 rss_kib(self.model_stub) if self.model_stub else 0,
-                                 sum(rss_kib(pid) for pid in children)))
+            self.samples.append(
+                (
+                    time.monotonic() - start,
+                    rss_kib(self.server_pid),
+                    rss_kib(self.model_stub) if self.model_stub else 0,
+                    sum(rss_kib(pid) for pid in children),
+                )
+            )
             self.stop.wait(self.interval_s)
 
 
@@ -145,26 +148,38 @@ def test_a_flood_of_large_rows_is_bounded_and_small_requests_keep_being_answered
     samples = sampler.samples
     flooded = [s for s in samples if 1.0 <= s[0] <= 1.0 + seconds]
     third = max(1, len(flooded) // 3)
-    middle, last = flooded[third:2 * third], flooded[2 * third:]
+    middle, last = flooded[third : 2 * third], flooded[2 * third :]
     peak = {name: max(s[i] for s in samples) // 1024 for i, name in ((1, "server"), (2, "stub"), (3, "stubs"))}
     middle_peak = {name: max(s[i] for s in middle) // 1024 for i, name in ((1, "server"), (2, "stub"))}
     last_peak = {name: max(s[i] for s in last) // 1024 for i, name in ((1, "server"), (2, "stub"))}
     over = [rows for rows in row_counts if rows * row_bytes > MAX_REQUEST_BYTES]
     report = {
-        "seconds": seconds, "threads": threads, "rows": row_counts, "row_bytes": row_bytes,
+        "seconds": seconds,
+        "threads": threads,
+        "rows": row_counts,
+        "row_bytes": row_bytes,
         "outcomes": {f"{rows} rows: {outcome}": count for (rows, outcome), count in sorted(outcomes.items())},
         "refusal examples": refusals,
-        "rss_mib": {"server start": samples[0][1] // 1024, "server peak": peak["server"],
-                    "server peak, middle third": middle_peak["server"], "server peak, last third": last_peak["server"],
-                    "server end": samples[-1][1] // 1024,
-                    f"{MODEL} stub start": samples[0][2] // 1024, f"{MODEL} stub peak": peak["stub"],
-                    f"{MODEL} stub peak, middle third": middle_peak["stub"],
-                    f"{MODEL} stub peak, last third": last_peak["stub"], f"{MODEL} stub end": samples[-1][2] // 1024,
-                    "all stubs peak": peak["stubs"]},
+        "rss_mib": {
+            "server start": samples[0][1] // 1024,
+            "server peak": peak["server"],
+            "server peak, middle third": middle_peak["server"],
+            "server peak, last third": last_peak["server"],
+            "server end": samples[-1][1] // 1024,
+            f"{MODEL} stub start": samples[0][2] // 1024,
+            f"{MODEL} stub peak": peak["stub"],
+            f"{MODEL} stub peak, middle third": middle_peak["stub"],
+            f"{MODEL} stub peak, last third": last_peak["stub"],
+            f"{MODEL} stub end": samples[-1][2] // 1024,
+            "all stubs peak": peak["stubs"],
+        },
         "series": [(round(t), server_kib // 1024, stub_kib // 1024) for t, server_kib, stub_kib, _ in samples[::10]],
-        "canary": {"answered": len(canary_latencies_s), "failed": len(canary_failures),
-                   "p50 s": round(statistics.median(canary_latencies_s), 3) if canary_latencies_s else None,
-                   "max s": round(max(canary_latencies_s), 3) if canary_latencies_s else None},
+        "canary": {
+            "answered": len(canary_latencies_s),
+            "failed": len(canary_failures),
+            "p50 s": round(statistics.median(canary_latencies_s), 3) if canary_latencies_s else None,
+            "max s": round(max(canary_latencies_s), 3) if canary_latencies_s else None,
+        },
     }
     _write_report(report, server_bound_mib, stub_bound_mib)
 
@@ -191,7 +206,7 @@ def _write_report(report: dict, server_bound_mib: int, stub_bound_mib: int) -> N
         "",
         f"- machine: {os.cpu_count()} cores, {platform.machine()}; model `{MODEL}` (Triton's scheduling, "
         "example config)",
-        "- command: `make flood` (`COALESCE_FLOOD=1 pytest -m slow tests/integration/test_flood.py`; "
+        "- command: `make flood` (`pytest -m slow tests/integration/test_flood.py`; "
         f"FLOOD_SECONDS={report['seconds']:g} FLOOD_THREADS={report['threads']} "
         f"FLOOD_ROWS={','.join(map(str, report['rows']))} FLOOD_ROW_BYTES={report['row_bytes']})",
         f"- {report['threads']} gRPC client threads, each cycling through requests of {report['rows']} rows of "
@@ -208,8 +223,7 @@ def _write_report(report: dict, server_bound_mib: int, stub_bound_mib: int) -> N
         "| --- | --- |",
         *(f"| {k} | {v} |" for k, v in report["rss_mib"].items()),
         "",
-        "RSS over time (s: server MiB / stub MiB): "
-        + ", ".join(f"{t}: {a}/{b}" for t, a, b in report["series"]) + ".",
+        "RSS over time (s: server MiB / stub MiB): " + ", ".join(f"{t}: {a}/{b}" for t, a, b in report["series"]) + ".",
         "",
         f"Canary: {report['canary']['answered']} answered, {report['canary']['failed']} failed, "
         f"p50 {report['canary']['p50 s']} s, max {report['canary']['max s']} s.",
