@@ -27,7 +27,7 @@ FIXED_BATCH_SIZES = (8, 16, 32, 64)
 def make_pipeline(version_dir: Path, **parameters: str) -> Pipeline:
     """A pipeline as the served model has it alone (its config, every core, no row cache), ``parameters`` set."""
     config = with_parameters(read_model_config(version_dir.parent / "config.pbtxt"),
-                             **{**SINGLE_MODEL_THREADS, **NO_CACHE, **parameters})
+                             {**SINGLE_MODEL_THREADS, **NO_CACHE, **parameters})
     return load_pipeline(config, version_dir)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
+from coalesce_tools.config import with_parameters
 from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,17 +39,6 @@ SINGLE_MODEL_THREADS: Final = {"intra_op_threads": "0", "thread_spinning": "true
 #: The row cache off: for measuring compute, or serving traffic that cycles through a workload's texts
 #: (a cache would answer repeats that all-distinct traffic does not have).
 NO_CACHE: Final = {"cache_bytes": "0"}
-
-
-def with_parameters(config: str, parameters: dict[str, str]) -> str:
-    """``config`` text with ``parameters`` set (replacing the same keys, else added)."""
-    for key, value in parameters.items():
-        entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-        config, count = re.subn(r'\{ key: "' + re.escape(key) + r'", value: \{ string_value: "[^"]*" \} \}', entry,
-                                config)
-        if not count:
-            config = config.replace("parameters [", f"parameters [\n  {entry},", 1)
-    return config
 
 
 def single_model_config() -> str:

@@ -166,7 +166,7 @@ def generate_part(precision: str, device: str = "cuda:0") -> dict[str, Any]:
         from coalesce_tools.config import read_model_config, with_parameters
 
         model_dir = ROOT / "model_repository" / "tinylm"
-        config = with_parameters(read_model_config(model_dir / "config.pbtxt"), precision=precision)
+        config = with_parameters(read_model_config(model_dir / "config.pbtxt"), {"precision": precision})
         settings = ModelSettings.from_model_config(config)
         engine = load_engine(config, model_dir / "1", settings=settings, instance_kind="GPU", start=False)
         texts: dict[int, str] = {}

@@ -30,7 +30,7 @@ def model_config(name: str, **parameters: str) -> dict[str, Any]:
     """Example model ``name``'s config.pbtxt in the JSON form Triton hands the backend, ``parameters`` set."""
     from coalesce_tools.config import read_model_config, with_parameters
 
-    return with_parameters(read_model_config(REPOSITORY / name / "config.pbtxt"), **parameters)
+    return with_parameters(read_model_config(REPOSITORY / name / "config.pbtxt"), parameters)
 
 
 @pytest.fixture(scope="session")

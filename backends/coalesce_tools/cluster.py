@@ -43,7 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Final
 
-from coalesce_tools.config import coalesce_models, parameter, read_model_config, with_parameters
+from coalesce.settings import CacheOptions
+from coalesce_tools.config import coalesce_models, model_config_text, parameter, read_model_config, with_parameters
 from coalesce_tools.launcher import (
     LaunchError,
     RedisServer,
@@ -67,8 +68,6 @@ HTTP_BACKEND: Final = "http_replicas"
 GRPC_BACKEND: Final = "grpc_replicas"
 #: The path the balancer's health check asks each replica's supervisor.
 HEALTH_PATH: Final = "/ready"
-#: Tasks that read ``redis_url`` (``coalesce.settings.CacheOptions.APPLIES_TO``).
-ROW_TASKS: Final = ("embedding", "classify", "tensor")
 LOG_TAIL_LINES: Final = 40
 
 
@@ -266,9 +265,6 @@ def prepare_repository(source: Path, dest: Path, *, redis_url: str, parameters: 
     Raises:
         ClusterError: If ``source`` holds none of ``models`` (or no model at all), or a config cannot be read.
     """
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
-
     from coalesce_tools.config import ConfigReadError
 
     folders = sorted(p.parent for p in source.glob("*/config.pbtxt"))
@@ -280,8 +276,10 @@ def prepare_repository(source: Path, dest: Path, *, redis_url: str, parameters: 
     if not folders:
         raise ClusterError(f"{source} holds no model (no */config.pbtxt)")
     try:
+        # The models that read redis_url: the shared tier goes to these.
+        reads_redis = CacheOptions.APPLIES_TO
         shared = {folder.name for folder, config in coalesce_models(source)
-                  if parameter(config, "task", "embedding") in ROW_TASKS}
+                  if reads_redis is None or parameter(config, "task", "embedding") in reads_redis}
     except ConfigReadError as exc:
         raise ClusterError(str(exc)) from None
     given: list[str] = []
@@ -301,12 +299,11 @@ def prepare_repository(source: Path, dest: Path, *, redis_url: str, parameters: 
         if folder.name not in shared:
             shutil.copy2(folder / "config.pbtxt", target / "config.pbtxt")
             continue
-        config = with_parameters(read_model_config(folder / "config.pbtxt"), **{**(parameters or {}),
-                                                                               "redis_url": redis_url})
-        message = json_format.ParseDict(config, model_config_pb2.ModelConfig())
+        config = with_parameters(read_model_config(folder / "config.pbtxt"), {**(parameters or {}),
+                                                                             "redis_url": redis_url})
         (target / "config.pbtxt").write_text(
             f"# Written by `coalesce cluster` from {folder / 'config.pbtxt'}: the shared tier at the cluster's "
-            "Redis.\n" + text_format.MessageToString(message))
+            "Redis.\n" + model_config_text(config))
         given.append(folder.name)
     return given
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from coalesce_tools import perfanalyzer
+from coalesce_tools.config import with_parameters
 from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer, free_port
 
 
@@ -98,17 +99,6 @@ def select(results: Sequence[dict[str, Any]], p99_ms: float) -> dict[str, Any] |
     return max(meeting, key=lambda r: (r["throughput_per_s"], -r["p99_ms"]))
 
 
-def _set_param(text: str, key: str, value: str) -> str:
-    pattern = re.compile(r'(\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{\s*string_value:\s*")[^"]*(")')
-    if pattern.search(text):
-        return pattern.sub(lambda m: m.group(1) + value + m.group(2), text, count=1)
-    entry = f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-    block = re.compile(r"(parameters\s*\[)(.*?)(\n\])", re.S)
-    if block.search(text):
-        return block.sub(lambda m: m.group(1) + m.group(2).rstrip() + ",\n" + entry + m.group(3), text, count=1)
-    return text.rstrip() + f"\n\nparameters [\n{entry}\n]\n"
-
-
 def apply_to_pbtxt(text: str, point: TunePoint) -> str:
     """Rewrite ``config.pbtxt`` text with the point's values, keeping comments and layout."""
     text = re.sub(r"max_queue_delay_microseconds:\s*\d+", f"max_queue_delay_microseconds: {point.max_queue_delay_us}",
@@ -122,8 +112,8 @@ def apply_to_pbtxt(text: str, point: TunePoint) -> str:
                       count=1)
     text = re.sub(r"(instance_group\s*\[\s*\{[^}]*count:\s*)\d+", lambda m: m.group(1) + str(point.instance_count),
                   text, count=1)
-    text = _set_param(text, "max_batch_rows", str(point.max_batch_rows))
-    return _set_param(text, "max_batch_tokens", str(point.max_batch_tokens))
+    return with_parameters(text, {"max_batch_rows": str(point.max_batch_rows),
+                                  "max_batch_tokens": str(point.max_batch_tokens)})
 
 
 def _ints(text: str) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any, Final
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
+from coalesce.core.protocol import PRIORITY_PARAMETER, REFUSED_PREFIX, TENANT_PARAMETER
 from coalesce_client.errors import (
     AccessDeniedError,
     ClientError,
@@ -30,9 +31,6 @@ from coalesce_client.retry import Deadline, RetryPolicy, call_with_retries, call
 #: Tensor names of the embedding contract (kept in step with the embedding task, ``coalesce.tasks.embedding``).
 INPUT_TEXT: Final = "TEXT"
 OUTPUT_EMBEDDING: Final = "EMBEDDING"
-#: How an adaptive model's refusals begin (``coalesce.scheduling.driver.REFUSED_PREFIX``; the client
-#: does not import the backend).
-REFUSED_MARKER: Final = "request refused: "
 #: Triton's own refusal of a request that waited past its queue policy's timeout (``timeout_action: REJECT``).
 TRITON_QUEUE_TIMEOUT: Final = "Request timeout expired"
 #: Triton's refusal of a restricted API or protocol without its header (gRPC answers it as ``UNAVAILABLE``).
@@ -150,7 +148,7 @@ def translate_error(exc: BaseException, *, model: str, url: str, timeout_s: floa
         if "NOT_FOUND" in status or status == "404" or "unknown model" in message:
             return ModelNotFoundError(f"{where}: {message}")
         unavailable = "UNAVAILABLE" in status or status == "503"  # gRPC status, HTTP status code
-        if REFUSED_MARKER in message or (unavailable and TRITON_QUEUE_TIMEOUT in message):
+        if REFUSED_PREFIX in message or (unavailable and TRITON_QUEUE_TIMEOUT in message):
             return RequestRejectedError(f"{where}: {message}")
         if unavailable or status == "502" or "failed to connect" in message.lower():
             return ServerUnavailableError(f"{where}: {message}")
@@ -234,9 +232,9 @@ class EmbeddingClient:
         self._max_rows = max_rows_per_request
         self._parameters: dict[str, Any] = {}
         if tenant is not None:
-            self._parameters["tenant"] = tenant
+            self._parameters[TENANT_PARAMETER] = tenant
         if priority_level is not None:
-            self._parameters["priority_level"] = int(priority_level)
+            self._parameters[PRIORITY_PARAMETER] = int(priority_level)
         self._server_timeout_us = int(deadline_s * 1e6) if deadline_s else None
         self._local = threading.local()
         self._grpc: Any = None

@@ -81,9 +81,11 @@ def test_nothing_task_specific_outside_the_tasks():
     """The planner, cache, scheduler, runtimes and metrics never name a task's tensors or classes."""
     task_words = ("EMBEDDING", "TEXT_PAIR", "SCORES", "last_hidden_state", "EmbeddingTask", "ClassifyTask",
                   "TensorTask", "tokenizer")
-    for folder in ("batching", "cache", "scheduling", "observability", "core"):
+    for folder in ("batching", "cache", "scheduling", "observability", "core", "runtimes"):
         for path in (PACKAGE / folder).rglob("*.py"):
             code = "\n".join(line for line in path.read_text().splitlines() if not line.strip().startswith("#"))
             body = ast.get_docstring(ast.parse(code)) or ""
-            named = [w for w in task_words if w in code.replace(body, "")]
+            # The torch runtime loads a Hugging Face head and names its output as the ONNX export does.
+            allowed = ("last_hidden_state",) if path.name == "torch_runtime.py" else ()
+            named = [w for w in task_words if w in code.replace(body, "") and w not in allowed]
             assert not named, f"{path.relative_to(ROOT)} names {named}"

@@ -7,13 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from coalesce.settings import CacheOptions
 from coalesce_tools.cli import main
 from coalesce_tools.cluster import (
     GRPC_BACKEND,
     HEALTH_PATH,
     HTTP_BACKEND,
-    ROW_TASKS,
     BalancerOptions,
     ClusterError,
     ClusterOptions,
@@ -37,10 +35,6 @@ def test_replica_ports_are_numbered_from_the_base_ten_apart():
         ReplicaPorts.numbered(1, 65530)
     free = ReplicaPorts.free()
     assert len({free.http, free.grpc, free.metrics, free.health}) == 4
-
-
-def test_the_shared_tier_goes_to_the_tasks_that_read_redis_url():
-    assert set(ROW_TASKS) == set(CacheOptions.APPLIES_TO or ())
 
 
 def section(config: str, header: str) -> list[str]:

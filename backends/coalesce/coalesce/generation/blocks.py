@@ -1,13 +1,14 @@
 """The KV-cache pool's bookkeeping: fixed-size blocks, shared prompt prefixes, LRU eviction.
 
-The pool is ``num_blocks`` blocks of ``block_tokens`` token slots each (the tensors live in
-``coalesce.generation.kvcache``; this module only hands out block numbers). A sequence
-takes every block its prompt and ``max_tokens`` can fill when it joins, so a running
-sequence never waits for memory. A full block of prompt tokens is named by a digest of
-its tokens chained to the previous block's digest (the digest names the whole prefix up
-to it); once computed, a later prompt with the same prefix takes the same block instead of
-computing it again. Blocks no sequence holds but that name a prefix stay cached and are
-reused in least-recently-released order when the free list runs out.
+The pool is ``num_blocks`` blocks of ``block_tokens`` token slots each (the tensors are
+allocated in ``coalesce.generation.engine`` and read in ``coalesce.generation.attention``;
+this module only hands out block numbers). A sequence takes every block its prompt and
+``max_tokens`` can fill when it joins, so a running sequence never waits for memory. A full
+block of prompt tokens is named by a digest of its tokens chained to the previous block's
+digest (the digest names the whole prefix up to it); once computed, a later prompt with the
+same prefix takes the same block instead of computing it again. Blocks no sequence holds but
+that name a prefix stay cached and are reused in least-recently-released order when the free
+list runs out.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ SHARED_CACHE_OPS: Final = ("connect", "get", "set", "corrupt")
 #: Seconds a request waits in the adaptive scheduler's queue, and end-to-end per tenant: 100 us to 30 s.
 WAIT_SECONDS_BUCKETS: Final = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5,
                                5.0, 10.0, 30.0)
-#: Reasons a request is answered without being computed (label ``reason``), as in ``coalesce.scheduler.Rejection``.
+#: Reasons a request is answered without being computed (label ``reason``), as in
+#: ``coalesce.scheduling.policy.Rejection``.
 REJECTION_REASONS: Final = ("deadline", "queue_full", "rate_limit", "expired", "cancelled")
 
 #: Pipeline stages timed by ``coalesce_stage_seconds``: reading requests into rows, preparing the rows to

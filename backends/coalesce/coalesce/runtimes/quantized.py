@@ -21,13 +21,12 @@ from typing import Final
 
 import numpy as np
 
+from coalesce.core.errors import ConfigError
 from coalesce.core.task import Pass, Task
 from coalesce.runtimes.guard_texts import GUARD_TEXTS
 
 #: Rows per pass of the guard's batched run (the planner's passes on short texts are of this order).
 GUARD_PASS_ROWS: Final = 32
-#: The output the guard compares (task ``embedding``).
-GUARDED_OUTPUT: Final = "EMBEDDING"
 
 #: Runs one pass: feeds in, the graph's outputs by name out (a runtime's ``run``).
 RunPass = Callable[[dict[str, np.ndarray], Sequence[str]], dict[str, np.ndarray]]
@@ -52,8 +51,21 @@ class Agreement:
                 f"(worst: {self.worst_text[:40]!r})")
 
 
+def guarded_output(task: Task) -> str:
+    """The output the guard compares by cosine: the task's one output (a vector per row).
+
+    Raises:
+        ConfigError: If the task has more than one output (which one to compare is not known).
+    """
+    if len(task.outputs) != 1:
+        raise ConfigError(f"the INT8 accuracy guard compares a model's one output; this one has "
+                          f"{[spec.name for spec in task.outputs]}")
+    return task.outputs[0].name
+
+
 def embed(task: Task, run: RunPass, texts: Sequence[str], *, pass_rows: int) -> np.ndarray:
     """The task's output vectors for ``texts`` (in order), run in length-sorted passes of ``pass_rows`` rows."""
+    output = guarded_output(task)
     prepared = task.prepare(list(texts))
     order = np.argsort(prepared.lengths, kind="stable")
     vectors: np.ndarray | None = None
@@ -61,7 +73,7 @@ def embed(task: Task, run: RunPass, texts: Sequence[str], *, pass_rows: int) -> 
         rows = order[start:start + pass_rows]
         padded = int(prepared.lengths[rows].max())
         batch = Pass(prepared, rows, padded, task.assemble(prepared, rows, padded))
-        out = np.asarray(task.split(batch, run(batch.feeds, task.graph_outputs))[GUARDED_OUTPUT], dtype=np.float32)
+        out = np.asarray(task.split(batch, run(batch.feeds, task.graph_outputs))[output], dtype=np.float32)
         if vectors is None:
             vectors = np.empty((len(texts), *out.shape[1:]), dtype=np.float32)
         vectors[rows] = out

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Final
 
 from coalesce.core.errors import ConfigError
+from coalesce.settings import RUNTIME_CHOICES
 
-#: Runtimes a model may ask for (setting ``runtime``).
-RUNTIMES: Final = ("auto", "tensorrt", "onnxruntime", "torch", "bls")
 #: ONNX Runtime's GPU execution providers, best first.
 ORT_GPU_PROVIDERS: Final = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 
@@ -140,7 +139,7 @@ def choose(requested: str, caps: Capabilities, *, engine_path: Path, torch_model
             raise ConfigError(f"{where}: runtime 'bls' needs parameter 'bls_model' (the Triton model to call)")
         return Choice("bls", "server", f"runtime 'bls' asked for; each pass goes to Triton model '{bls_model}'")
     if requested != "auto":
-        raise ConfigError(f"{where}: runtime '{requested}' is unknown; choose one of {', '.join(RUNTIMES)}")
+        raise ConfigError(f"{where}: runtime '{requested}' is unknown; choose one of {', '.join(RUNTIME_CHOICES)}")
 
     passed: list[str] = []
     missing = tensorrt_missing()

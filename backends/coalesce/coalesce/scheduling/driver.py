@@ -25,6 +25,7 @@ import numpy as np
 
 from coalesce.batching.pipeline import Pipeline, RequestResult
 from coalesce.core.errors import CancelledError, CoalesceError, InvalidInputError, UnavailableError
+from coalesce.core.protocol import PRIORITY_PARAMETER, REFUSED_PREFIX, TENANT_PARAMETER
 from coalesce.core.task import Row
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import SchedulerMetrics
@@ -75,11 +76,6 @@ class Submission:
 #: Hands one answer to its request: sent through the sender threads (the Future) or kept to return from execute.
 Deliver = Callable[[Submission, RequestResult], "Future[None] | None"]
 
-#: Request parameters the adaptive scheduler reads (clients set them per request).
-TENANT_PARAMETER: Final = "tenant"
-PRIORITY_PARAMETER: Final = "priority_level"
-#: How every refusal under load begins (clients match it; keep it stable).
-REFUSED_PREFIX: Final = "request refused: "
 #: Longest tenant name accepted.
 MAX_TENANT_CHARS: Final = 128
 #: How the detail of a refusal for the queue's bytes begins (after ``REFUSED_PREFIX``).
