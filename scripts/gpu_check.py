@@ -67,7 +67,7 @@ def main() -> int:
     """Run every part that can run; write the report; exit 1 when a part that ran failed its check."""
     from coalesce.runtimes.onnx import OnnxRuntime
 
-    results: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    results: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                "parts": {}}
     parts = results["parts"]
     reference, cpu_s = embed_with(OnnxRuntime(VERSION_DIR / "model.onnx", intra_op_threads=0, inter_op_threads=1))
@@ -144,7 +144,7 @@ def main() -> int:
             "ran": False, "why": "torch.cuda.is_available() is False"}
     parts["triton-kind-gpu"] = triton_part(reference) if gpu else {"ran": False, "why": "no GPU"}
     OUT.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     (OUT / f"gpu-check-{stamp}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     for name, part in parts.items():
         summary = {k: v for k, v in part.items() if k not in ("trace", "metadata")}
@@ -183,7 +183,8 @@ def generate_part(precision: str, device: str = "cuda:0") -> dict[str, Any]:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         dtype = torch.float16 if precision == "fp16" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir / "1" / "hf"), dtype=dtype).to(device).eval()
+        # transformers types .to() through a decorator that mypy reads as taking the model itself.
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir / "1" / "hf"), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
         equal = 0
         for i, prompt in enumerate(prompts):
             ids = engine.tokenizer.encode(prompt).ids

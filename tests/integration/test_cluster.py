@@ -228,6 +228,8 @@ def cluster(reference):
         replicas=2,
         replica_port_base=0,
         load_models=(MODEL,),
+        # FP32: every vector held to sentence-transformers at MIN_COSINE_REFERENCE and the replicas to each
+        # other at MIN_COSINE_AGREE; INT8 vectors shift with their pass's neighbours (perf/results/int8-*.md).
         parameters={"precision": "fp32"},
         balancer=BalancerOptions(http_port=free_port(), grpc_port=free_port(), stats_port=free_port()),
     )
