@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -33,17 +34,29 @@ MINILM = ROOT / "model_repository" / "minilm"
 NAIVE = ROOT / "perf" / "baselines" / "naive"
 
 
-#: The ``cached`` system: the shipped config with a row cache of 256 MiB, under its own name.
+#: Like for like: every system and ceiling runs the FP32 graph ``model.onnx`` without a row cache (naive and
+#: pytriton have neither INT8 nor a cache), so coalesce serves the shipped config with these (it ships INT8
+#: and a 64 MiB cache; ``make bench-defaults`` measures both against their alternatives).
+LIKE_FOR_LIKE = {"precision": "fp32", "cache_bytes": "0"}
+#: Like for like: the baselines' queue delay (naive's config, pytriton's default) for coalesce too (it ships 0).
+QUEUE_DELAY_US = 2000
+#: The ``cached`` system: coalesce with a row cache of 256 MiB, under its own name.
 CACHED_PARAMETERS = {"cache_bytes": "268435456"}
 
 
 def build_repository(dest: Path, systems: list[str]) -> Path:
-    """A repository with the shipped minilm, its cached variant and the naive baseline, weights linked."""
+    """A repository with minilm (FP32), its cached variant and the naive baseline, weights linked."""
     version = MINILM / "1"
     sources = {"coalesce": (MINILM, "minilm"), "cached": (MINILM, "minilm_cached"), "naive": (NAIVE, "naive")}
     for system in (s for s in systems if s in sources):
         source, name = sources[system]
-        config = (repository.single_model_config() if source == MINILM else (source / "config.pbtxt").read_text())
+        if source == MINILM:
+            config = repository.with_parameters(repository.single_model_config(), LIKE_FOR_LIKE)
+            config, count = re.subn(r"max_queue_delay_microseconds: \d+",
+                                    f"max_queue_delay_microseconds: {QUEUE_DELAY_US}", config)
+            assert count == 1, "the shipped minilm config sets no max_queue_delay_microseconds"
+        else:
+            config = (source / "config.pbtxt").read_text()
         if system == "cached":
             config = repository.with_parameters(repository.renamed(config, name), CACHED_PARAMETERS)
         model = repository.add_model(dest, name, config, version_dir=version)
@@ -117,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 log_path=workdir / "pytriton.log"))
         # The ceilings run in this process while the servers idle, right beside the served
         # points they are compared with, once per round, so the machine's drift hits both alike.
-        pipeline = limits.make_pipeline(MINILM / "1")
+        pipeline = limits.make_pipeline(MINILM / "1", **LIKE_FOR_LIKE)
         for round_index in range(args.rounds):
             for profile in profiles:
                 sample = texts[profile][:args.limit_texts]
@@ -160,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run = {"run": args.run, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{os.cpu_count()} cores, no GPU, ONNX Runtime CPU",
+           "like_for_like": "FP32 (model.onnx) for every system and ceiling: coalesce runs the shipped minilm config "
+                        f"with precision fp32 and no row cache; queue delay {QUEUE_DELAY_US} us for every system",
            "command": "make bench  # python -m perf.bench " + " ".join(argv or sys.argv[1:]),
            "workloads": f"{args.count} distinct texts per profile, seed {args.seed}; ceilings on the first "
                         f"{args.limit_texts}", "rounds": args.rounds, "price_per_hour": args.price_per_hour,

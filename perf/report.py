@@ -108,8 +108,9 @@ def _fmt(value: Any, digits: int = 2) -> str:
 def markdown(run: Mapping[str, Any]) -> str:
     """The report as Markdown: setup, ratio table, all points, ceilings, cost."""
     price = run["price_per_hour"]
+    precision = [f"- like for like: {run['like_for_like']}"] if run.get("like_for_like") else []
     lines = [f"# Bench run {run['run']}", "", f"- machine: {run['machine']}", f"- command: `{run['command']}`",
-             f"- workloads: {run['workloads']}", f"- instance price: ${price}/hour",
+             *precision, f"- workloads: {run['workloads']}", f"- instance price: ${price}/hour",
              f"- rounds: {run.get('rounds', 1)}: every system and ceiling measured once per round, side by side; "
              "throughputs and p99s are medians over rounds, ratios are medians of the same-round ratios", ""]
     notes = ["`x limit@batch`: coalesce over the in-process ceiling for windows as large as the average batch "
