@@ -84,3 +84,7 @@ def test_the_report_and_plot_name_the_shipped_delay_and_its_alternatives(tmp_pat
     others = " and ".join(f"{us} us" for us in defaults.delay_variants(SHIPPED).values())
     assert f"## 1. Queue delay: {run['shipped_delay_us']} us (shipped) vs {others}" in text
     assert defaults.plot(run, tmp_path / "p.png").stat().st_size > 0
+    # The p50 ratio is shipped over the other delay: below 1 is what a shorter shipped delay should give.
+    for us in defaults.delay_variants(SHIPPED).values():
+        expected = "below 1 expected" if run["shipped_delay_us"] < us else "above 1 expected"
+        assert f"vs delay{us}: N=1 p50 ratio 1.00 ({expected}" in text
