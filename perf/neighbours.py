@@ -86,6 +86,11 @@ def build_repository(dest: Path, variant: str) -> Path:
 
 # -- requests ----------------------------------------------------------------------------------------
 
+#: Distinct requests per model. The example configs ship row caches (minilm, minilm_rerank), which answer a
+#: request sent before without computing it, so no server is sent the same request twice: the light
+#: models' two phases take disjoint halves, and an open loop that runs out fails rather than repeat.
+POOL_REQUESTS = 1000
+
 def request_pools(count: int, seed: int) -> dict[str, list[list[tuple[str, np.ndarray, str]]]]:
     """Seeded requests for each example model: (name, array, datatype) per input."""
     queries = workloads.queries(count, seed)
@@ -154,8 +159,9 @@ async def open_loop(client: Any, model: str, requests: list[list[Any]], rate_per
         if len(tasks) >= max_in_flight:
             outcomes.append(Outcome(model, at, 0.0, "not_sent"))
             continue
-        task = asyncio.create_task(_send(client, model, requests[index % len(requests)], outcomes, at, started,
-                                         timeout_s))
+        if index >= len(requests):
+            raise RuntimeError(f"{model}: all {len(requests)} distinct requests sent; raise POOL_REQUESTS")
+        task = asyncio.create_task(_send(client, model, requests[index], outcomes, at, started, timeout_s))
         index += 1
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -233,19 +239,21 @@ async def _measure(url: str, pools: dict[str, list[list[tuple[str, np.ndarray, s
     client = grpcaio.InferenceServerClient(url)
     try:
         requests = {model: _inputs(pool) for model, pool in pools.items()}
-        for model in (args.noisy, *args.light):  # warm every model and connection
-            for request in requests[model][:4]:
+        for model in (args.noisy, *args.light):  # warm every model and connection, on requests no phase sends
+            for request in requests[model][-4:]:
                 await client.infer(model, request, client_timeout=60)
         seed = 1000 * round_
+        # The two phases send disjoint halves of each light model's pool: no request is sent twice to a server.
+        half = POOL_REQUESTS // 2
         alone: list[Outcome] = []
-        await asyncio.gather(*(open_loop(client, m, requests[m], args.light_rate, args.duration_s, seed + k, alone,
-                                         10_000, 60) for k, m in enumerate(args.light)))
+        await asyncio.gather(*(open_loop(client, m, requests[m][:half], args.light_rate, args.duration_s, seed + k,
+                                         alone, 10_000, 60) for k, m in enumerate(args.light)))
         together: list[Outcome] = []
         await asyncio.gather(
-            open_loop(client, args.noisy, requests[args.noisy], noisy_rate, args.duration_s, seed + 99, together,
+            open_loop(client, args.noisy, requests[args.noisy][:-4], noisy_rate, args.duration_s, seed + 99, together,
                       args.noisy_in_flight, 120),
-            *(open_loop(client, m, requests[m], args.light_rate, args.duration_s, seed + k, together, 10_000, 60)
-              for k, m in enumerate(args.light)))
+            *(open_loop(client, m, requests[m][half:-4], args.light_rate, args.duration_s, seed + k, together,
+                        10_000, 60) for k, m in enumerate(args.light)))
         return {"alone": {m: summarize(alone, m, args.duration_s) for m in args.light},
                 "together": {m: summarize(together, m, args.duration_s) for m in (*args.light, args.noisy)},
                 "raw": {"alone": [dataclasses.asdict(o) for o in alone],
@@ -302,7 +310,9 @@ def markdown(run: dict[str, Any]) -> str:
              f"- light models {', '.join(f'`{m}`' for m in run['light'])}: {run['light_rate_per_s']:g} requests/s "
              f"each (Poisson, one row per request), {run['duration_s']:g} s per phase, {run['rounds_count']} "
              "rounds, variants interleaved (a fresh server each)",
-             "- every example model is loaded in every server; medians over rounds, ratios within a round", "",
+             "- every example model is loaded in every server, its shipped config (precision, row cache, queue "
+             "delay) changed only by the variant's threads; no server is sent the same request twice, so no row "
+             "cache answers one; medians over rounds, ratios within a round", "",
              "| variant | light model | alone p50 ms | alone p99 ms | beside noise p50 ms | beside noise p99 ms "
              "| p99 ratio | light errors | noisy answers/s | noisy p99 ms | noisy not sent |",
              "|" + " --- |" * 11]
@@ -371,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
-    pools = request_pools(200, seed=0)
+    pools = request_pools(POOL_REQUESTS, seed=0)
     workdir = Path(tempfile.mkdtemp(prefix="coalesce-neighbours-"))
     try:
         repo = build_repository(workdir / "capacity", "shared")
