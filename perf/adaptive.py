@@ -44,7 +44,7 @@ from typing import Any
 
 from coalesce.batching.pipeline import Pipeline
 from coalesce_tools import perfanalyzer, tune
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf import limits, repository, workloads
 from perf.load import run_locust
 
@@ -293,9 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         tune.TunePoint(max_queue_delay_us=0, preferred_batch_sizes=(), instance_count=1, max_batch_rows=64,
                        max_batch_tokens=8192))
     repo = build_repository(workdir / "repo", configs)
-    options = ServerOptions(model_repository=repo, host="127.0.0.1", http_port=free_port(),
-                            grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                            load_models=tuple(configs))
+    options = ServerOptions.on_free_ports(repo, model_control="explicit", load_models=tuple(configs))
     runs: list[dict[str, Any]] = []
     summary: dict[str, dict[str, Any]] = {}
     order = 0

@@ -113,9 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     points: list[dict[str, Any]] = []
     in_triton = [s for s in systems if s != "pytriton"]
-    options = ServerOptions(model_repository=build_repository(workdir / "repo", in_triton), host="127.0.0.1",
-                            http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            model_control="explicit", load_models=tuple(MODELS[s] for s in in_triton))
+    options = ServerOptions.on_free_ports(build_repository(workdir / "repo", in_triton), model_control="explicit",
+                                          load_models=tuple(MODELS[s] for s in in_triton))
     total = args.rounds * len(profiles) * len(concurrencies) * len(protocols) * len(systems)
     ceilings: dict[str, dict[str, list[Any]]] = {}
     failures: list[dict[str, Any]] = []

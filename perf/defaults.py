@@ -44,7 +44,7 @@ from typing import Any, Final
 import numpy as np
 
 from coalesce_tools import perfanalyzer
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf import limits, repository, workloads
 from perf.report import median
 
@@ -471,9 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     shipped = (MINILM / "config.pbtxt").read_text()
     all_variants = variants(shipped)
     configs = build_repository(workdir / "repo", all_variants)
-    options = ServerOptions(model_repository=workdir / "repo", host="127.0.0.1", http_port=free_port(),
-                            grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                            load_models=tuple(model_name(v) for v in all_variants))
+    options = ServerOptions.on_free_ports(workdir / "repo", model_control="explicit",
+                                          load_models=tuple(model_name(v) for v in all_variants))
     rounds_plan = plan(profiles, concurrencies, all_variants, args.duplicates)
     total = args.rounds * sum(len(vs) for _, _, vs in rounds_plan)
     points: list[dict[str, Any]] = []

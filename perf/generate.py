@@ -757,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     import tritonclient.http as httpclient
     from tokenizers import Tokenizer
 
-    from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
+    from coalesce_tools.launcher import ServerOptions, TritonServer
 
     tokenizer = Tokenizer.from_file(str(TINYLM / "1" / "hf" / "tokenizer.json"))
 
@@ -772,9 +772,8 @@ def main(argv: list[str] | None = None) -> int:
                             words=words)
     raw_dir = args.out / "raw" / args.run
     workdir = Path(tempfile.mkdtemp(prefix="coalesce-generate-"))
-    options = ServerOptions(model_repository=build_repository(workdir / "repo", static_delay_us=args.static_delay_us),
-                            host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                            metrics_port=free_port(), model_control="explicit", load_models=(MODELS[systems[0]],))
+    repo = build_repository(workdir / "repo", static_delay_us=args.static_delay_us)
+    options = ServerOptions.on_free_ports(repo, model_control="explicit", load_models=(MODELS[systems[0]],))
     points: list[dict[str, Any]] = []
     args.out.mkdir(parents=True, exist_ok=True)
     with TritonServer(options) as server:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf.loadshapes import SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(chosen) - set(allowed))
         if unknown:
             parser.error(f"unknown {name}(s) {', '.join(unknown)}; choose from {', '.join(allowed)}")
-    options = ServerOptions(model_repository=ROOT / "model_repository", host="127.0.0.1", http_port=free_port(),
-                            grpc_port=free_port(), metrics_port=free_port())
+    options = ServerOptions.on_free_ports(ROOT / "model_repository")
     runs = []
     with TritonServer(options) as server:
         for shape in shapes:

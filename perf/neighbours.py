@@ -43,7 +43,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf import workloads
 from perf.outcomes import percentile
 from perf.repository import SINGLE_MODEL_THREADS, with_parameters
@@ -86,9 +86,9 @@ def build_repository(dest: Path, variant: str) -> Path:
 
 # -- requests ----------------------------------------------------------------------------------------
 
-#: Distinct requests per model. The example configs ship row caches (minilm, minilm_rerank), which answer a
-#: request sent before without computing it, so no server is sent the same request twice: the light
-#: models' two phases take disjoint halves, and an open loop that runs out fails rather than repeat.
+#: Distinct requests per model. An example config may ship a row cache (minilm does), which answers a
+#: request sent before without computing it, so no server is sent the same request twice: warm-up and
+#: measurement take disjoint parts of a pool, and a loop that runs out fails rather than repeat.
 POOL_REQUESTS = 1000
 
 def request_pools(count: int, seed: int) -> dict[str, list[list[tuple[str, np.ndarray, str]]]]:
@@ -108,11 +108,13 @@ def request_pools(count: int, seed: int) -> dict[str, list[list[tuple[str, np.nd
 
     pools: dict[str, list[list[tuple[str, np.ndarray, str]]]] = {"minilm": [], "minilm_rerank": [],
                                                                    "minilm_tokens": [], "digits": []}
+    # Documents truncated to 256 tokens can coincide: keep the first of each distinct token sequence.
+    token_ids = list({tuple(e.ids): None for e in tokenizer.encode_batch(documents)})[:count]
     for i in range(count):
         pools["minilm"].append([("TEXT", texts([queries[i]]), "BYTES")])
         docs = documents[8 * i:8 * i + 8]
         pools["minilm_rerank"].append([("TEXT", texts([queries[i]] * 8), "BYTES"), ("TEXT_PAIR", texts(docs), "BYTES")])
-        ids = np.array([tokenizer.encode(documents[i]).ids], dtype=np.int64)
+        ids = np.array([token_ids[i]], dtype=np.int64)
         pools["minilm_tokens"].append([("input_ids", ids, "INT64"), ("token_type_ids", np.zeros_like(ids), "INT64")])
         pools["digits"].append([("image", images[i % len(images)][None], "FP32")])
     return pools
@@ -171,7 +173,12 @@ async def open_loop(client: Any, model: str, requests: list[list[Any]], rate_per
 
 async def closed_loop(client: Any, model: str, requests: list[list[Any]], concurrency: int,
                       duration_s: float) -> float:
-    """Answers per second with ``concurrency`` requests always outstanding."""
+    """Answers per second with ``concurrency`` requests always outstanding, each of ``requests`` sent once.
+
+    Raises:
+        RuntimeError: If every request was sent before ``duration_s`` ended (repeating one would let a row
+            cache answer it).
+    """
     loop = asyncio.get_running_loop()
     end = loop.time() + duration_s
     done = [0]
@@ -179,7 +186,9 @@ async def closed_loop(client: Any, model: str, requests: list[list[Any]], concur
     async def worker(offset: int) -> None:
         i = offset
         while loop.time() < end:
-            await client.infer(model, requests[i % len(requests)], client_timeout=60)
+            if i >= len(requests):
+                raise RuntimeError(f"{model}: all {len(requests)} distinct requests sent; raise POOL_REQUESTS")
+            await client.infer(model, requests[i], client_timeout=60)
             done[0] += 1
             i += concurrency
 
@@ -214,9 +223,8 @@ def summarize(outcomes: list[Outcome], model: str, duration_s: float) -> dict[st
 
 def serve(repository: Path, variant: str) -> TritonServer:
     """A server on ``repository`` with every model loaded (rate limiter on for that variant)."""
-    options = ServerOptions(model_repository=repository, host="127.0.0.1", http_port=free_port(),
-                            grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                            load_models=("*",), rate_limit="execution_count" if variant == "rate_limiter" else "off")
+    options = ServerOptions.on_free_ports(repository, model_control="explicit", load_models=("*",),
+                                          rate_limit="execution_count" if variant == "rate_limiter" else "off")
     return TritonServer(options).start()
 
 
@@ -269,8 +277,9 @@ async def _capacity(url: str, pools: dict[str, list[list[tuple[str, np.ndarray, 
     client = grpcaio.InferenceServerClient(url)
     try:
         requests = _inputs(pools[model])
-        await closed_loop(client, model, requests, concurrency, 3.0)  # warm-up
-        return await closed_loop(client, model, requests, concurrency, duration_s)
+        half = len(requests) // 2  # warm-up and measurement on disjoint halves: no request is sent twice
+        await closed_loop(client, model, requests[half:], concurrency, 3.0)
+        return await closed_loop(client, model, requests[:half], concurrency, duration_s)
     finally:
         await client.close()
 

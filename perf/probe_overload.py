@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf import adaptive
 from perf.load import run_locust
 
@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                                 '  { key: "runtime"', 1)
     workdir = Path(tempfile.mkdtemp(prefix="coalesce-probe-"))
     repo = adaptive.build_repository(workdir / "repo", {"probe": config})
-    options = ServerOptions(model_repository=repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                            metrics_port=free_port(), model_control="explicit", load_models=("probe",))
+    options = ServerOptions.on_free_ports(repo, model_control="explicit", load_models=("probe",))
     with TritonServer(options) as server:
         top = subprocess.Popen(f"sleep {args.duration_s / 3:.0f}; top -b -n 2 -d 5 -w 200 -o %CPU "
                                "| grep -A6 '^ *PID' | tail -6", shell=True, stdout=subprocess.PIPE, text=True)

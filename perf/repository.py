@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Final
 
 from coalesce_tools.config import with_parameters
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The shipped model, whose version folder every perf-lab model links.
@@ -85,6 +85,4 @@ def serve(configs: Mapping[str, str], prefix: str = "coalesce-perf-") -> TritonS
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     for name, config in configs.items():
         add_model(folder, name, renamed(config, name))
-    return TritonServer(ServerOptions(model_repository=folder, host="127.0.0.1", http_port=free_port(),
-                                      grpc_port=free_port(), metrics_port=free_port(), model_control="explicit",
-                                      load_models=tuple(configs)))
+    return TritonServer(ServerOptions.on_free_ports(folder, model_control="explicit", load_models=tuple(configs)))

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from coalesce_tools import perfanalyzer
-from coalesce_tools.launcher import RedisServer, ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import RedisServer, ServerOptions, TritonServer
 from perf import report, repository, workloads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         repo = build_repository(workdir / "repo", redis_server.url, args.cache_bytes)
 
         def server() -> TritonServer:
-            return TritonServer(ServerOptions(
-                model_repository=repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                metrics_port=free_port(), model_control="explicit", load_models=(PLAIN, SHARED)))
+            options = ServerOptions.on_free_ports(repo, model_control="explicit", load_models=(PLAIN, SHARED))
+            return TritonServer(options)
 
         for round_index in range(args.rounds):
             for profile in profiles:

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from coalesce_tools.launcher import RedisServer, ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import RedisServer, ServerOptions, TritonServer
 from coalesce_tools.processes import rss_kib, stub_processes
 from coalesce_tools.supervisor import SupervisorOptions
 from perf.neighbours import build_repository, request_pools
@@ -109,9 +109,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         config = repo / model / "config.pbtxt"
         config.write_text(with_parameters(config.read_text(), {"cache_bytes": str(32 << 20),
                                                                "redis_url": redis.url}))
-    server = TritonServer(ServerOptions(
-        model_repository=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-        supervisor=SupervisorOptions(health_port=0)))
+    server = TritonServer(ServerOptions.on_free_ports(repo, supervisor=SupervisorOptions(health_port=0)))
     server.start()
     pools = request_pools(args.pool, seed=0)
     bad = bad_requests()

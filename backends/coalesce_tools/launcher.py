@@ -31,7 +31,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Any, Final
 
 from coalesce_tools.config import ConfigReadError, parameter, read_model_config
 from coalesce_tools.processes import programs_under
@@ -201,6 +201,15 @@ class ServerOptions:
     ready_timeout_s: float = 180.0
     #: Seconds Triton waits for in-flight requests when asked to stop (``--exit-timeout-secs``).
     exit_timeout_s: int = 15
+
+    @classmethod
+    def on_free_ports(cls, model_repository: Path, **fields: Any) -> ServerOptions:
+        """Options for a server on loopback whose HTTP, gRPC and metrics ports are free now.
+
+        For tests and benches that start servers side by side; ``fields`` set any other option.
+        """
+        return cls(model_repository=model_repository, host="127.0.0.1", http_port=free_port(),
+                   grpc_port=free_port(), metrics_port=free_port(), **fields)
 
     def __post_init__(self) -> None:
         """Refuse an admin API open to the network.

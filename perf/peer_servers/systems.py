@@ -149,9 +149,8 @@ def triton_repository(dest: Path, systems: list[str]) -> Path:
 
 def start_triton(stack: ExitStack, workdir: Path, systems: list[str]) -> dict[str, Endpoint]:
     """One tritonserver with the Triton-model ``systems`` loaded; their endpoints."""
-    options = ServerOptions(model_repository=triton_repository(workdir / "repo", systems), host="127.0.0.1",
-                            http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            model_control="explicit", load_models=tuple(TRITON_MODELS[s] for s in systems))
+    options = ServerOptions.on_free_ports(triton_repository(workdir / "repo", systems), model_control="explicit",
+                                          load_models=tuple(TRITON_MODELS[s] for s in systems))
     # Entered first, closed last: the server's reader thread writes to it until the server stops.
     log = stack.enter_context((workdir / "tritonserver.log").open("w"))
     server = stack.enter_context(TritonServer(options, echo=log))

@@ -49,3 +49,17 @@ def test_bench_repository_has_the_cached_variant(tmp_path):
     assert cached.count("cache_bytes") == 1
     assert "268435456" not in (repo / "minilm" / "config.pbtxt").read_text()
     assert (repo / "minilm_cached" / "1" / "model.onnx").exists()
+
+
+def test_bench_serves_every_system_like_for_like(tmp_path):
+    """make bench compares coalesce with naive and PyTriton on what they run: FP32, no row cache, one delay."""
+    from coalesce_tools.config import parse_model_config
+    from perf.bench import LIKE_FOR_LIKE, QUEUE_DELAY_US, build_repository
+
+    repo = build_repository(tmp_path, ["coalesce", "naive"])
+    ours = parse_model_config((repo / "minilm" / "config.pbtxt").read_text())
+    naive = parse_model_config((repo / "naive" / "config.pbtxt").read_text())
+    assert {k: ours["parameters"][k]["string_value"] for k in LIKE_FOR_LIKE} == {"precision": "fp32",
+                                                                                 "cache_bytes": "0"}
+    delays = {int(c["dynamic_batching"]["max_queue_delay_microseconds"]) for c in (ours, naive)}
+    assert delays == {QUEUE_DELAY_US}

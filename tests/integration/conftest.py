@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer
 from perf.repository import with_parameters
 from tests.conftest import EXAMPLE_MODELS, GENERATE_MODELS, MODEL_DIR, REPOSITORY, built
 
@@ -54,6 +54,7 @@ def add_model(
     source: Path = MODEL_DIR,
     parameters: dict[str, str] | None = None,
     wide: int = 0,
+    version_dir: Path | None = None,
 ) -> Path:
     """Copy ``source``'s config, as shipped, into ``repo/name`` with text replacements; link its version files.
 
@@ -61,7 +62,7 @@ def add_model(
 
     ``parameters`` are set in the config's (added, or replacing a shipped value); ``wide`` > 0
     makes Triton wait up to 2 s for exactly that many requests, so a test can put them in one
-    ``execute``.
+    ``execute``. ``version_dir`` holds the files linked into version 1 (default: ``source``'s own).
     """
     text = (source / "config.pbtxt").read_text()
     text = text.replace(f'name: "{source.name}"', f'name: "{name}"')
@@ -79,7 +80,7 @@ def add_model(
     target = repo / name
     (target / "1").mkdir(parents=True)
     (target / "config.pbtxt").write_text(text)
-    for item in (source / "1").iterdir():
+    for item in (version_dir or source / "1").iterdir():
         (target / "1" / item.name).symlink_to(item.resolve())
     return target
 
@@ -100,22 +101,22 @@ def repository(tmp_path_factory) -> Path:
     return repo
 
 
-@pytest.fixture(scope="session")
-def server(repository, request):
-    options = ServerOptions(
-        model_repository=repository,
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        model_control="explicit",
-        load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, *GENERATE_MODELS, TIGHT_MODEL),
-    )
+def start_server(options: ServerOptions) -> TritonServer:
+    """A tritonserver started with ``options``; the test fails, with Triton's log tail, if it does not start."""
     triton = TritonServer(options)
     try:
-        triton.start()
+        return triton.start()
     except LaunchError as exc:
         pytest.fail(f"tritonserver did not start: {exc}")
+
+
+@pytest.fixture(scope="session")
+def server(repository, request):
+    options = ServerOptions.on_free_ports(
+        repository, model_control="explicit",
+        load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, *GENERATE_MODELS, TIGHT_MODEL),
+    )
+    triton = start_server(options)
     request.session.triton_server = triton
     yield triton
     code = triton.stop()

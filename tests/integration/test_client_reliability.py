@@ -31,9 +31,9 @@ from coalesce_client import (
     ServerUnavailableError,
     TlsOptions,
 )
-from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer
 from tests.conftest import ROOT
-from tests.integration.conftest import FIXED_COST, add_model
+from tests.integration.conftest import FIXED_COST, add_model, start_server
 
 MODEL = "minilm"
 TEXTS = ["the server restarts", "calls carry on", "vectors stay the same", "x"]
@@ -53,14 +53,6 @@ def minilm_repository(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("minilm_alone")
     add_model(repo, MODEL, parameters={"cost_model": FIXED_COST})
     return repo
-
-
-def start(options: ServerOptions) -> TritonServer:
-    triton = TritonServer(options)
-    try:
-        return triton.start()
-    except LaunchError as exc:
-        pytest.fail(f"tritonserver did not start: {exc}")
 
 
 def reap_stubs(repository: Path) -> None:
@@ -131,9 +123,8 @@ def async_worker(protocol: str, url: str, timeout_s: float, retry: RetryPolicy, 
 
 def test_calls_during_a_restart_answer_right_or_fail_typed_within_their_deadline(minilm_repository):
     # Under load Triton's graceful stop waits out its exit timeout (clients keep connections open): keep it short.
-    options = ServerOptions(model_repository=minilm_repository, host="127.0.0.1", http_port=free_port(),
-                            grpc_port=free_port(), metrics_port=free_port(), extra_args=("--exit-timeout-secs=3",))
-    first = start(options)
+    options = ServerOptions.on_free_ports(minilm_repository, extra_args=("--exit-timeout-secs=3",))
+    first = start_server(options)
     second: TritonServer | None = None
     calls, stop = Calls(), threading.Event()
     # Two kinds of caller: a short deadline with the default policy (it fails while the server is away),
@@ -162,7 +153,7 @@ def test_calls_during_a_restart_answer_right_or_fail_typed_within_their_deadline
         stopped_at = time.monotonic()
         first.stop()  # SIGINT; its exit code is Triton's business (past the exit timeout it may end by a signal)
         time.sleep(1.0)
-        second = start(options)  # the same ports
+        second = start_server(options)  # the same ports
         back_at = time.monotonic()
         time.sleep(3.0)
     finally:
@@ -234,13 +225,12 @@ def certificates(tmp_path_factory) -> Path:
 def secured(minilm_repository, certificates) -> Iterator[TritonServer]:
     c = certificates
     restriction = f"inference:{AUTH_HEADER}={AUTH_VALUE}"
-    options = ServerOptions(
-        model_repository=minilm_repository, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-        metrics_port=free_port(), model_control="explicit",  # on loopback: statistics open, for `load`
+    options = ServerOptions.on_free_ports(
+        minilm_repository, model_control="explicit",  # on loopback: statistics open, for `load`
         extra_args=("--grpc-use-ssl=true", "--grpc-use-ssl-mutual=true", f"--grpc-server-cert={c / 'server.pem'}",
                     f"--grpc-server-key={c / 'server.key'}", f"--grpc-root-cert={c / 'ca.pem'}",
                     f"--grpc-restricted-protocol={restriction}", f"--http-restricted-api={restriction}"))
-    triton = start(options)
+    triton = start_server(options)
     yield triton
     triton.stop()
 

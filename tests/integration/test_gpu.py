@@ -8,10 +8,9 @@ from coalesce.runtimes.select import probe
 from coalesce.tasks import create_task
 from coalesce_tools.config import read_model_config
 from coalesce_tools.engine import profiles_for
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
-from perf.repository import with_parameters
+from coalesce_tools.launcher import ServerOptions, TritonServer
 from tests.conftest import MODEL_DIR, ROOT, TRICKY_TEXTS
-from tests.integration.conftest import EXACT_MODEL, FP32_NO_CACHE
+from tests.integration.conftest import EXACT_MODEL, FP32_NO_CACHE, add_model
 
 GPU_CONFIGS = ROOT / "scripts" / "gpu" / "model_repository"
 
@@ -41,28 +40,12 @@ def _serve_beside_cpu(tmp_path, version_dir, kind: str) -> dict[str, np.ndarray]
     Returns each model's vectors of TRICKY_TEXTS. ``minilm_fp32`` is the shipped config with
     FP32_NO_CACHE: the exact CPU reference for a GPU model that runs the FP32 graph.
     """
-    configs = {
-        "minilm": (MODEL_DIR / "config.pbtxt").read_text(),
-        "minilm_gpu": (GPU_CONFIGS / "minilm_gpu" / "config.pbtxt").read_text().replace("KIND_GPU", kind),
-        EXACT_MODEL: with_parameters(
-            (MODEL_DIR / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{EXACT_MODEL}"'),
-            FP32_NO_CACHE,
-        ),
-    }
-    for name, text in configs.items():
-        (tmp_path / name / "1").mkdir(parents=True)
-        (tmp_path / name / "config.pbtxt").write_text(text)
-        for item in version_dir.iterdir():
-            (tmp_path / name / "1" / item.name).symlink_to(item.resolve())
-    options = ServerOptions(
-        model_repository=tmp_path,
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        model_control="explicit",
-        load_models=tuple(configs),
-    )
+    add_model(tmp_path, "minilm", version_dir=version_dir)
+    add_model(tmp_path, "minilm_gpu", source=GPU_CONFIGS / "minilm_gpu", replace={"KIND_GPU": kind},
+              version_dir=version_dir)
+    add_model(tmp_path, EXACT_MODEL, parameters=FP32_NO_CACHE, version_dir=version_dir)
+    configs = ("minilm", "minilm_gpu", EXACT_MODEL)
+    options = ServerOptions.on_free_ports(tmp_path, model_control="explicit", load_models=configs)
     from coalesce_client import EmbeddingClient
 
     with TritonServer(options) as server:

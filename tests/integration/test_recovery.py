@@ -17,11 +17,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
 from coalesce_tools.processes import stub_processes
 from coalesce_tools.supervisor import SupervisorOptions
 from tests.conftest import REPOSITORY, built
-from tests.integration.conftest import add_model
+from tests.integration.conftest import add_model, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -38,14 +38,9 @@ def pair(tmp_path):
     repo = tmp_path / "repository"
     for name in (BROKEN, HEALTHY):
         add_model(repo, name, source=REPOSITORY / "digits")
-    options = ServerOptions(model_repository=repo, http_port=free_port(), grpc_port=free_port(),
-                            metrics_port=free_port(), model_control="explicit",
-                            supervisor=SupervisorOptions(**{**OPTIONS.__dict__, "health_port": free_port()}))
-    triton = TritonServer(options)
-    try:
-        triton.start()
-    except LaunchError as exc:
-        pytest.fail(f"tritonserver did not start: {exc}")
+    supervisor = SupervisorOptions(**{**OPTIONS.__dict__, "health_port": free_port()})
+    options = ServerOptions.on_free_ports(repo, model_control="explicit", supervisor=supervisor)
+    triton = start_server(options)
     yield triton
     triton.stop()
 

@@ -17,12 +17,12 @@ import urllib.request
 import numpy as np
 import pytest
 
-from coalesce_tools.launcher import GrpcTls, LaunchError, ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import GrpcTls, ServerOptions, TritonServer, free_port
 from coalesce_tools.processes import stub_processes
 from coalesce_tools.supervisor import SupervisorOptions
 from tests.certs import make_certificates
 from tests.conftest import REPOSITORY, built
-from tests.integration.conftest import add_model
+from tests.integration.conftest import add_model, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -44,21 +44,14 @@ def guarded(tmp_path_factory, certificates):
     for name in ("minilm", "digits"):
         built(name)
         add_model(repo, name, source=REPOSITORY / name)
-    options = ServerOptions(
-        model_repository=repo,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+    options = ServerOptions.on_free_ports(
+        repo,
         model_control="explicit",
         admin_key=ADMIN_KEY,
         grpc_tls=GrpcTls(cert=certificates.server_cert, key=certificates.server_key),
         supervisor=SupervisorOptions(health_port=free_port()),
     )
-    triton = TritonServer(options)
-    try:
-        triton.start()
-    except LaunchError as exc:
-        pytest.fail(f"tritonserver did not start: {exc}")
+    triton = start_server(options)
     yield triton
     triton.stop()
 

@@ -5,7 +5,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from coalesce_client import EmbeddingClient
-from coalesce_tools.launcher import ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import ServerOptions, TritonServer
 from tests.integration.conftest import add_model
 
 
@@ -13,8 +13,7 @@ from tests.integration.conftest import add_model
 def cached_server(tmp_path_factory, version_dir):
     repo = tmp_path_factory.mktemp("response_cache_repo")
     add_model(repo, "minilm_rc", replace={r"\ninstance_group": "\nresponse_cache { enable: true }\ninstance_group"})
-    options = ServerOptions(model_repository=repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                            metrics_port=free_port(), response_cache_bytes=8 << 20)
+    options = ServerOptions.on_free_ports(repo, response_cache_bytes=8 << 20)
     with TritonServer(options) as server:
         yield server
 

@@ -15,9 +15,9 @@ import redis
 
 from coalesce.cache.secrets import CA_FILE_ENV, CACHE_KEY_ENV, PASSWORD_FILE_ENV
 from coalesce.cache.shared import MAC_BYTES, mac_key, sign
-from coalesce_tools.launcher import LaunchError, RedisServer, ServerOptions, TritonServer, free_port
+from coalesce_tools.launcher import RedisServer, ServerOptions
 from tests.conftest import built
-from tests.integration.conftest import FIXED_COST, add_model, infer
+from tests.integration.conftest import FIXED_COST, add_model, infer, start_server
 from tests.integration.test_cache import settled_metric, wait_for
 from tests.redis_tls import make_tls_files
 
@@ -46,18 +46,12 @@ def secure_server(tmp_path_factory, tls_redis):
     add_model(repo, PLAIN, parameters=parameters)
     password_file = tmp_path_factory.mktemp("secrets") / "redis-password"
     password_file.write_text(PASSWORD + "\n")
-    options = ServerOptions(model_repository=repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                            metrics_port=free_port(), model_control="explicit", load_models=(SECURE, PLAIN),
-                            log_verbose=1)
-    triton = TritonServer(options)
+    options = ServerOptions.on_free_ports(repo, model_control="explicit", load_models=(SECURE, PLAIN), log_verbose=1)
     with pytest.MonkeyPatch.context() as env:
         env.setenv(PASSWORD_FILE_ENV, str(password_file))
         env.setenv(CA_FILE_ENV, str(tls_redis.tls.ca_file))
         env.setenv(CACHE_KEY_ENV, CACHE_KEY)
-        try:
-            triton.start()
-        except LaunchError as exc:
-            pytest.fail(f"tritonserver did not start: {exc}")
+        triton = start_server(options)
     yield triton
     code = triton.stop()
     assert code in (0, -2), f"tritonserver stopped with code {code}:\n{triton.log_tail()}"
