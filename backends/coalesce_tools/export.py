@@ -420,7 +420,7 @@ def prepare(repository: Path, *, force: bool = False, log: Callable[[str], None]
             if missing:
                 short += 1
                 log(f"coalesce prepare: {version_dir} lacks {', '.join(missing)}: put the model's files there "
-                    "(README: Serving your own model); the model will not load without them")
+                    "(model_repository/README.md: Serving your own model); the model will not load without them")
             else:
                 log(f"coalesce prepare: {version_dir}: files present")
     return short

@@ -43,10 +43,10 @@ def test_a_model_without_recipe_or_files_is_reported_missing(tmp_path):
     short, lines = run_prepare(tmp_path)
     assert short == 2
     assert lines == [
-        f"coalesce prepare: {tmp_path / 'mine' / '1'} lacks model.onnx: put the model's files there (README: Serving "
-        "your own model); the model will not load without them",
-        f"coalesce prepare: {tmp_path / 'texty' / '1'} lacks tokenizer.json: put the model's files there (README: "
-        "Serving your own model); the model will not load without them"]
+        f"coalesce prepare: {tmp_path / 'mine' / '1'} lacks model.onnx: put the model's files there "
+        "(model_repository/README.md: Serving your own model); the model will not load without them",
+        f"coalesce prepare: {tmp_path / 'texty' / '1'} lacks tokenizer.json: put the model's files there "
+        "(model_repository/README.md: Serving your own model); the model will not load without them"]
 
 
 def test_a_model_with_its_files_present_is_left_alone(tmp_path):
