@@ -47,6 +47,7 @@ from coalesce_tools import perfanalyzer, tune
 from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf import limits, repository, workloads
 from perf.load import run_locust
+from perf.report import write_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 MINILM = ROOT / "model_repository" / "minilm"
@@ -371,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
            "profiles": summary, "runs": runs}
     run["verdicts"] = verdicts(run)
     run["plot"] = str(plot(run, args.out / f"{args.run}-goodput.png"))
-    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{args.run}.md").write_text(markdown(run))
+    write_summary(args.out, args.run, run, markdown(run))
     sys.stderr.write(f"eval: wrote {args.out / args.run}.md\n")
     return 0
 

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -51,10 +50,8 @@ def build_repository(dest: Path, systems: list[str]) -> Path:
     for system in (s for s in systems if s in sources):
         source, name = sources[system]
         if source == MINILM:
-            config = repository.with_parameters(repository.single_model_config(), LIKE_FOR_LIKE)
-            config, count = re.subn(r"max_queue_delay_microseconds: \d+",
-                                    f"max_queue_delay_microseconds: {QUEUE_DELAY_US}", config)
-            assert count == 1, "the shipped minilm config sets no max_queue_delay_microseconds"
+            config = repository.with_queue_delay(
+                repository.with_parameters(repository.single_model_config(), LIKE_FOR_LIKE), QUEUE_DELAY_US)
         else:
             config = (source / "config.pbtxt").read_text()
         if system == "cached":
@@ -179,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{args.limit_texts}", "rounds": args.rounds, "price_per_hour": args.price_per_hour,
            "protocols": protocols, "points": points, "limits": ceilings, "failures": failures}
     run["plots"] = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in report.plot(run, args.out)]
-    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{args.run}.md").write_text(report.markdown(run))
+    report.write_summary(args.out, args.run, run, report.markdown(run))
     shutil.rmtree(workdir, ignore_errors=True)
     sys.stderr.write(f"bench: wrote {args.out / args.run}.md\n")
     return 0

@@ -51,7 +51,7 @@ from typing import Any, Final
 import numpy as np
 
 from perf import closed_loop, limits, repository, workloads
-from perf.report import median
+from perf.report import median, write_summary
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 #: The bulk job's target against the offline limit (issue 20).
@@ -363,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
            "configs": configs, "points": points, "notes": args.note,
            "summary": summarize(points, args.profiles, price_per_core_hour=args.price_per_core_hour, cores=cores)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.json").write_text(json.dumps(run, indent=1) + "\n")
-    (args.out_dir / f"{name}.md").write_text(markdown(run))
+    write_summary(args.out_dir, name, run, markdown(run))
     sys.stdout.write(f"wrote {args.out_dir / f'{name}.md'}\n")
     return 0
 

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from perf.report import median
+from perf.report import median, write_summary
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 SYSTEM: Final = "coalesce"
@@ -285,8 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                        "shared": shown(shared_path), "bulk": shown(bulk_path) if bulk_path else None},
            **run}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (RESULTS / f"{args.run}.md").write_text(markdown(run))
+    write_summary(RESULTS, args.run, run, markdown(run))
     print(RESULTS / f"{args.run}.md")
     return 0
 

@@ -46,7 +46,7 @@ import numpy as np
 from coalesce_tools import perfanalyzer
 from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf import limits, repository, workloads
-from perf.report import median
+from perf.report import median, write_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 MINILM = repository.MINILM
@@ -55,7 +55,6 @@ MINILM = repository.MINILM
 DELAY_CANDIDATES_US: Final = (0, 500, 2000)
 #: The variants compared with ``shipped`` on Zipf-repeated queries (the cache question only).
 DUPLICATE_VARIANTS: Final = ("shipped", "nocache")
-DELAY_LINE: Final = re.compile(r"max_queue_delay_microseconds: \d+\n")
 #: The targets each question is judged by; the delay's are this run's own tolerances, not the issue's.
 INT8_MIN_SPEEDUP: Final = 1.5
 CACHE_MAX_COST: Final = 0.05
@@ -74,7 +73,7 @@ def shipped_delay_us(shipped: str) -> int:
     Raises:
         ValueError: If the text does not set it exactly once.
     """
-    found = DELAY_LINE.findall(shipped)
+    found = repository.QUEUE_DELAY_LINE.findall(shipped)
     if len(found) != 1:
         raise ValueError("the shipped config does not set max_queue_delay_microseconds exactly once")
     return int(found[0].split(":")[1])
@@ -113,7 +112,7 @@ def variant_config(shipped: str, variant: str) -> str:
         return repository.with_parameters(config, repository.NO_CACHE)
     delays = delay_variants(shipped)
     if variant in delays:
-        return DELAY_LINE.sub(f"max_queue_delay_microseconds: {delays[variant]}\n", config)
+        return repository.with_queue_delay(config, delays[variant])
     raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(variants(shipped))}")
 
 
@@ -519,8 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": list(all_variants), "shipped_delay_us": shipped_delay_us(shipped),
         "served_s": served_s, "configs": configs, "points": points, "accuracy": accuracy_rows, "failures": failures}
     run["plot"] = plot(run, args.out / f"{run_name}.png").name
-    (args.out / f"{run_name}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{run_name}.md").write_text(markdown(run) + f"\n![same-round texts/s ratios]({run['plot']})\n")
+    write_summary(args.out, run_name, run, markdown(run) + f"\n![same-round texts/s ratios]({run['plot']})\n")
     shutil.rmtree(workdir, ignore_errors=True)
     sys.stderr.write(f"defaults: wrote {args.out / run_name}.md ({served_s:.0f} s served)\n")
     return 1 if failures else 0

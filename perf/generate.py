@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from perf import report, workloads
+from perf.report import write_summary
 from perf.repository import with_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -871,8 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     run["discussion"] = discussion(run)
     image = plot(run, args.out / f"{args.run}.png")
     run["plots"] = [str(image.relative_to(ROOT)) if image.is_relative_to(ROOT) else str(image)]
-    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{args.run}.md").write_text(markdown(run))
+    write_summary(args.out, args.run, run, markdown(run))
     sys.stderr.write(f"bench-generate: wrote {args.out / args.run}.md\n")
     return 0
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ from coalesce.settings import ModelSettings
 from coalesce.tasks import create_task
 from coalesce_tools.config import read_model_config, with_parameters
 from perf import workloads
+from perf.report import write_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 MINILM = ROOT / "model_repository" / "minilm"
@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
               "count": args.count, "repeats": args.repeats, "seed": args.seed,
               "guard": guard, "texts_per_s": speed, "ratio_to_fp32": ratios}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{run_name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{run_name}.md").write_text(markdown(result))
+    write_summary(args.out, run_name, result, markdown(result))
     sys.stderr.write(f"int8: wrote {args.out / run_name}.md\n")
     return 0
 

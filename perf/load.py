@@ -22,6 +22,7 @@ from typing import Any
 
 from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf.loadshapes import SHAPES
+from perf.report import write_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = ROOT / "perf" / "locustfile.py"
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
            "profile": args.profile, "pool": args.pool, "duration_s": args.duration_s, "protocols": protocols,
            "runs": runs}
     run["plot"] = str(plot(run, args.out / f"{args.run}-timeline.png"))
-    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{args.run}.md").write_text(markdown(run))
+    write_summary(args.out, args.run, run, markdown(run))
     sys.stderr.write(f"load: wrote {args.out / args.run}.md\n")
     ok = all(r["exit_code"] == 0 and r["counts_match"] and not r["locust_failures"] for r in runs)
     return 0 if ok else 1

@@ -46,6 +46,7 @@ import numpy as np
 from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf import workloads
 from perf.outcomes import percentile
+from perf.report import write_summary
 from perf.repository import SINGLE_MODEL_THREADS, with_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -429,8 +430,7 @@ def main(argv: list[str] | None = None) -> int:
            "rounds": rounds}
     run["table"] = table(run)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{args.run}.md").write_text(markdown(run))
+    write_summary(args.out, args.run, run, markdown(run))
     plot(run, args.out / f"{args.run}.png")
     sys.stdout.write(markdown(run))
     return 0

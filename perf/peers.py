@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import json
 import math
 import os
 import shlex
@@ -42,6 +41,7 @@ from typing import Any
 from perf import closed_loop, limits, workloads
 from perf.peer_servers import peer_report, systems
 from perf.peer_servers.systems import SYSTEMS, Endpoint
+from perf.report import write_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Texts checked per workload before measuring, and the longest (informational: truncation differs).
@@ -215,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if raw_dir.is_relative_to(ROOT) else str(raw_dir),
     }
     run["plot"] = peer_report.plot(run, args.out / f"{run_name}.png").name
-    (args.out / f"{run_name}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{run_name}.md").write_text(peer_report.markdown(run))
+    write_summary(args.out, run_name, run, peer_report.markdown(run))
     # The servers' logs beside the raw data (a failed run keeps the whole work folder instead).
     (raw_dir / "logs").mkdir(exist_ok=True)
     for log in workdir.glob("*.log"):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ import numpy as np
 
 from coalesce.batching.pipeline import Pipeline
 from perf import limits, workloads
+from perf.report import write_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("planner", "one_at_a_time", "pad_to_longest")
@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": "python -m perf.planner_gain " + " ".join(argv or sys.argv[1:]), "texts": args.texts,
            "cost_model": str(pipeline.cost_model), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{args.run}.md").write_text(markdown(run))
+    write_summary(args.out, args.run, run, markdown(run))
     sys.stderr.write(f"planner gain: wrote {args.out / args.run}.md\n")
     return 0
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from perf import closed_loop, limits, peers, repository, workloads
-from perf.report import median
+from perf.report import median, write_summary
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 
@@ -89,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
            "rounds": args.rounds, "duration_s": args.duration_s, "concurrencies": list(concurrencies),
            "points": points, "bare": bare, "limit_at_16_texts_per_s": limit16}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"serving-floor-{today}.json").write_text(json.dumps(run, indent=1) + "\n")
-    (args.out_dir / f"serving-floor-{today}.md").write_text(markdown(run))
+    write_summary(args.out_dir, f"serving-floor-{today}", run, markdown(run))
     sys.stdout.write(f"wrote {args.out_dir / f'serving-floor-{today}.md'}\n")
     return 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import re
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from perf import closed_loop, repository, workloads
-from perf.report import median
+from perf.report import median, write_summary
 
 #: A request at least this slow waited out the batcher's 500 ms idle wait.
 STALL_MS: Final = 450.0
@@ -102,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
            "rounds": args.rounds, "duration_s": args.duration_s, "concurrencies": list(concurrencies),
            "variants": list(configs), "points": points}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"queue-policy-{today}.json").write_text(json.dumps(run, indent=1) + "\n")
-    (args.out_dir / f"queue-policy-{today}.md").write_text(markdown(run))
+    write_summary(args.out_dir, f"queue-policy-{today}", run, markdown(run))
     sys.stdout.write(f"wrote {args.out_dir / f'queue-policy-{today}.md'}\n")
     return 0
 

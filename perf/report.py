@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 Point = Mapping[str, Any]
+
+
+def write_summary(out_dir: Path, name: str, run: Mapping[str, Any], text: str) -> Path:
+    """Write a run's committed summary: ``out_dir/name.json`` (the run) and ``out_dir/name.md`` (``text``).
+
+    Returns:
+        The markdown file's path.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(run, indent=2) + "\n")
+    path = out_dir / f"{name}.md"
+    path.write_text(text)
+    return path
 
 
 def cost_per_million(throughput_per_s: float, price_per_hour: float) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -12,6 +13,8 @@ from coalesce_tools.config import with_parameters
 from coalesce_tools.launcher import ServerOptions, TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The line of a config's dynamic_batching that sets Triton's queue delay.
+QUEUE_DELAY_LINE: Final = re.compile(r"max_queue_delay_microseconds: \d+\n")
 #: The shipped model, whose version folder every perf-lab model links.
 MINILM = ROOT / "model_repository" / "minilm"
 
@@ -44,6 +47,18 @@ NO_CACHE: Final = {"cache_bytes": "0"}
 def single_model_config() -> str:
     """The shipped ``minilm`` config as a server running it alone would have it (``SINGLE_MODEL_THREADS``)."""
     return with_parameters((MINILM / "config.pbtxt").read_text(), SINGLE_MODEL_THREADS)
+
+
+def with_queue_delay(config: str, delay_us: int) -> str:
+    """``config`` with its ``max_queue_delay_microseconds`` set to ``delay_us``.
+
+    Raises:
+        ValueError: If the text does not set the delay exactly once.
+    """
+    changed, count = QUEUE_DELAY_LINE.subn(f"max_queue_delay_microseconds: {delay_us}\n", config)
+    if count != 1:
+        raise ValueError("the config does not set max_queue_delay_microseconds exactly once")
+    return changed
 
 
 def renamed(config: str, name: str) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 from coalesce_tools import perfanalyzer
 from coalesce_tools.launcher import RedisServer, ServerOptions, TritonServer
 from perf import report, repository, workloads
+from perf.report import write_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 MINILM = ROOT / "model_repository" / "minilm"
@@ -223,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
            "rounds": args.rounds, "concurrency": args.concurrency, "cache_bytes": args.cache_bytes,
            "points": points, "failures": failures}
     run["rows"] = ratio_rows(points)
-    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{args.run}.md").write_text(markdown(run))
+    write_summary(args.out, args.run, run, markdown(run))
     shutil.rmtree(workdir, ignore_errors=True)
     sys.stderr.write(f"bench-shared: wrote {args.out / args.run}.md\n")
     return 0

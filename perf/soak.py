@@ -41,6 +41,7 @@ from coalesce_tools.processes import rss_kib, stub_processes
 from coalesce_tools.supervisor import SupervisorOptions
 from perf.neighbours import build_repository, request_pools
 from perf.outcomes import percentile
+from perf.report import write_summary
 from perf.repository import with_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -314,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     raw.mkdir(parents=True, exist_ok=True)
     (raw / "calls.json").write_text(json.dumps([dataclasses.asdict(c) for c in result["calls"]]))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.run}.json").write_text(json.dumps(run, indent=2) + "\n")
-    (args.out / f"{args.run}.md").write_text(markdown(run))
+    write_summary(args.out, args.run, run, markdown(run))
     plot(run, args.out / f"{args.run}.png")
     sys.stdout.write(markdown(run))
     return 0 if run["summary"]["passed"] else 1

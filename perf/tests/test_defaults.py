@@ -1,6 +1,6 @@
 import pytest
 
-from perf import defaults
+from perf import defaults, repository
 from perf.repository import MINILM
 
 SHIPPED = (MINILM / "config.pbtxt").read_text()
@@ -33,7 +33,7 @@ def test_every_variant_changes_one_setting_of_the_shipped_config():
 
 
 def test_delay_variant_refuses_a_config_without_one_delay_line():
-    changed = defaults.DELAY_LINE.sub("", SHIPPED)
+    changed = repository.QUEUE_DELAY_LINE.sub("", SHIPPED)
     with pytest.raises(ValueError, match="max_queue_delay_microseconds"):
         defaults.variant_config(changed, "delay500")
     with pytest.raises(ValueError, match="exactly once"):
