@@ -1,4 +1,4 @@
-"""The ``coalesce`` command: serve, cluster, prepare, export, settings, tune and build-engine."""
+"""The ``coalesce`` command: serve, gateway, cluster, prepare, export, settings, tune and build-engine."""
 
 from __future__ import annotations
 
@@ -9,40 +9,54 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from coalesce_tools.launcher import (
     LaunchError,
     RedisServer,
     ServerOptions,
     TritonServer,
+    connect_host,
     options_from_env,
     start_local_redis,
 )
+
+if TYPE_CHECKING:
+    from coalesce_tools.gateway.options import GatewayOptions
 
 SAMPLE_TEXT = "Coalesce turns dynamic batches into few forward passes."
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from coalesce_tools.gateway.options import GatewayOptions, GatewayOptionsError
+
     try:
         options = options_from_env(args.model_repository, explicit=True if args.explicit else None,
                                    load_models=args.load_model or ())
         server = TritonServer(options, echo=None if args.quiet else sys.stderr)
-    except LaunchError as exc:
+        gateway: GatewayOptions | None = GatewayOptions.from_env(options.model_repository,
+                                          triton_grpc_url=f"{connect_host(options.host)}:{options.grpc_port}",
+                                          host=options.host)
+    except (LaunchError, GatewayOptionsError) as exc:
         sys.stderr.write(f"coalesce serve: {exc}\n")
         return 2
+    if options.grpc_tls is not None or (gateway is not None and gateway.port == 0):
+        # The gateway talks to Triton over plain gRPC on this machine; under gRPC TLS it stays off.
+        gateway = None
     try:
         redis_servers = start_local_redis(options.model_repository)
     except LaunchError as exc:
         sys.stderr.write(f"coalesce serve: {exc}\n")
         return 1
     try:
-        return _run(server, options, redis_servers)
+        return _run(server, options, redis_servers, gateway)
     finally:
         for redis in redis_servers:
             redis.stop()
 
 
-def _run(server: TritonServer, options: ServerOptions, redis_servers: list[RedisServer]) -> int:
+def _run(server: TritonServer, options: ServerOptions, redis_servers: list[RedisServer],
+         gateway_options: GatewayOptions | None) -> int:
     for redis in redis_servers:
         sys.stderr.write(f"coalesce serve: started redis-server on {redis.url} for the shared row cache\n")
     sys.stderr.write(f"coalesce serve: starting {server.install.origin} on {options.model_repository} "
@@ -52,6 +66,21 @@ def _run(server: TritonServer, options: ServerOptions, redis_servers: list[Redis
     except LaunchError as exc:
         sys.stderr.write(f"coalesce serve: {exc}\n")
         return 1
+    gateway = None
+    if gateway_options is not None:
+        import dataclasses
+
+        from coalesce_tools.launcher import ADMIN_HEADER
+
+        gateway_options = dataclasses.replace(gateway_options, triton_admin_key=server.admin_headers.get(ADMIN_HEADER))
+        from coalesce_tools.gateway.server import GatewayProcess
+
+        try:
+            gateway = GatewayProcess(gateway_options, echo=sys.stderr).start()
+        except RuntimeError as exc:
+            sys.stderr.write(f"coalesce serve: {exc}; stopping Triton\n")
+            server.stop()
+            return 1
 
     stopping = threading.Event()
 
@@ -63,6 +92,8 @@ def _run(server: TritonServer, options: ServerOptions, redis_servers: list[Redis
             server.send_signal(signal.SIGINT)
             return
         stopping.set()
+        if gateway is not None:
+            gateway.stop()
         threading.Thread(target=server.stop, name="coalesce-shutdown", daemon=True).start()
 
     signal.signal(signal.SIGINT, forward)
@@ -70,19 +101,27 @@ def _run(server: TritonServer, options: ServerOptions, redis_servers: list[Redis
     http, grpc = server.http_url, server.grpc_url
     models = _models(options.model_repository)
     listing = "".join(f"  {name:<16} task {task}\n" for name, task in models)
-    text_model = next((name for name, task in models if task in ("embedding", "classify")), None)
+    text_model = next((name for name, task in models if task == "embedding"), None)
     example = (
         "Try:\n"
         f"  curl -s -X POST http://{http}/v2/models/{text_model}/infer -H 'Content-Type: application/json' \\\n"
         f"    -d '{{\"inputs\":[{{\"name\":\"TEXT\",\"datatype\":\"BYTES\",\"shape\":[1,1],"
-        f"\"data\":[\"{SAMPLE_TEXT}\"]}}]}}'\n\n") if text_model else ""
+        f"\"data\":[\"{SAMPLE_TEXT}\"]}}]}}'\n") if text_model else ""
+    if gateway is not None and text_model:
+        example += (f"  curl -s {gateway.url}/v1/embeddings -H 'Content-Type: application/json' \\\n"
+                    f"    -d '{{\"model\":\"{text_model}\",\"input\":\"{SAMPLE_TEXT}\"}}'\n")
+    example += "\n" if example else ""
+    front = (f"  OpenAI   {gateway.url}/v1 (embeddings, rerank, score, completions, chat/completions, models)\n"
+             if gateway is not None else "")
     sys.stdout.write(
         f"\nTriton is ready.\n"
-        f"  HTTP     http://{http}\n  gRPC     {grpc}\n  metrics  {server.metrics_url}\n\n"
+        f"  HTTP     http://{http}\n  gRPC     {grpc}\n  metrics  {server.metrics_url}\n{front}\n"
         f"Coalesce models:\n{listing}\n{example}"
         "Ctrl-C stops the server.\n")
     sys.stdout.flush()
     code = server.wait()
+    if gateway is not None:
+        gateway.stop()
     server.stop()
     sys.stderr.write(f"coalesce serve: tritonserver exited with code {code}\n")
     # A clean shutdown on our signal is success; anything else is the server's own code.
@@ -219,12 +258,17 @@ def main(argv: list[str] | None = None) -> int:
                                        "(8000, 8001, 8002, 8003: the supervisor's /ready and /live). "
                                        "MODEL_CONTROL=explicit (or --explicit) opens the repository API to holders "
                                        "of COALESCE_ADMIN_KEY (or COALESCE_ADMIN_KEY_FILE); required off loopback. "
-                                       "GRPC_TLS_CERT, GRPC_TLS_KEY (+ GRPC_TLS_CA: mutual) turn on gRPC TLS.")
+                                       "GRPC_TLS_CERT, GRPC_TLS_KEY (+ GRPC_TLS_CA: mutual) turn on gRPC TLS. "
+                                       "The OpenAI/Cohere-style gateway listens on OPENAI_PORT (9000; 0: off) "
+                                       "beside Triton; COALESCE_API_KEY[_FILE] sets its bearer keys.")
     serve.add_argument("--model-repository", type=Path, default=Path("model_repository"))
     serve.add_argument("--explicit", action="store_true", help="explicit model control (load/unload over the API)")
     serve.add_argument("--load-model", action="append", help="model to load at start (repeatable; default: all)")
     serve.add_argument("--quiet", action="store_true", help="do not echo the server log")
     serve.set_defaults(func=_serve)
+    gateway = sub.add_parser("gateway", help="OpenAI/Cohere-style HTTP routes in front of a running Triton",
+                             add_help=False)
+    gateway.set_defaults(func=None)
     env = os.environ.get
     cluster = sub.add_parser(
         "cluster", help="N tritonserver replicas of a repository, one shared Redis, haproxy in front (HTTP, gRPC)",
@@ -270,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         from coalesce_tools.export import prepare_main
 
         return prepare_main(argv[1:])
+    if argv and argv[0] == "gateway":
+        from coalesce_tools.gateway.server import main as gateway_main
+
+        return gateway_main(argv[1:])
     if argv and argv[0] == "build-engine":
         from coalesce_tools.engine import main as engine_main
 

@@ -96,6 +96,22 @@ class EmbeddingOptions:
     pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls` (the first "
                          "token's state).", choices=POOLING_CHOICES)
     normalize: bool = _spec(True, "L2-normalise each embedding.")
+    matryoshka_dimensions: str = _spec(
+        "", "Widths the model was trained to be cut to (Matryoshka), comma-separated, e.g. `256,128,64`: the "
+        "gateway's `dimensions` takes only these (and the full width), cutting and re-normalising each vector; "
+        "empty: only the full width.")
+
+    @property
+    def matryoshka_widths(self) -> tuple[int, ...]:
+        """``matryoshka_dimensions`` as numbers.
+
+        Raises:
+            ValueError: If an item is not a positive number.
+        """
+        items = [item.strip() for item in self.matryoshka_dimensions.split(",") if item.strip()]
+        if any(not item.isdigit() or int(item) <= 0 for item in items):
+            raise ValueError(f"expected positive numbers separated by commas, found {self.matryoshka_dimensions!r}")
+        return tuple(int(item) for item in items)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,6 +435,11 @@ class ModelSettings:
                 "config.pbtxt is readable through Triton's config endpoint, so take it out and give the password "
                 "to the server's environment: COALESCE_REDIS_PASSWORD, or a file named by "
                 "COALESCE_REDIS_PASSWORD_FILE")
+        try:
+            self.embedding.matryoshka_widths  # noqa: B018 - parses it
+        except ValueError as exc:
+            raise SettingsError(f"{where}: parameter 'matryoshka_dimensions' has bad value "
+                                f"'{self.embedding.matryoshka_dimensions}': {exc}") from None
         for key in ("tenant_weights", "tenant_max_rows_per_s"):
             try:
                 parse_tenant_map(getattr(self.scheduler, key), what=key)
