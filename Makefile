@@ -21,7 +21,7 @@ CAPACITY_ARGS ?=
 REPLICAS ?= 2
 CLUSTER_ARGS ?=
 
-.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate bench-bulk eval-adaptive load tune soak flood cluster cluster-test capacity
+.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate bench-openai bench-bulk eval-adaptive load tune soak flood cluster cluster-test capacity
 
 setup:                 ## venv with .[serve,export,generate], OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -29,7 +29,7 @@ setup:                 ## venv with .[serve,export,generate], OS packages, the r
 setup-dev:             ## setup, plus the test, lint and perf tool chain (.[dev])
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh --dev
 
-serve: setup           ## start Triton on $(MODEL_REPOSITORY) (HOST, *_PORT, MODEL_CONTROL, COALESCE_ADMIN_KEY, GRPC_TLS_*, RESPONSE_CACHE_BYTES, RATE_LIMIT)
+serve: setup           ## start Triton on $(MODEL_REPOSITORY) and the OpenAI gateway beside it (HOST, *_PORT, OPENAI_PORT, MODEL_CONTROL, COALESCE_ADMIN_KEY, COALESCE_API_KEY, GRPC_TLS_*, RESPONSE_CACHE_BYTES, RATE_LIMIT)
 	$(BIN)/coalesce serve --model-repository "$(MODEL_REPOSITORY)"
 
 cluster: setup         ## REPLICAS (2) tritonservers on $(MODEL_REPOSITORY), one shared Redis, haproxy in front (HTTP_PORT, GRPC_PORT, HOST; Ctrl-C stops all)
@@ -54,6 +54,11 @@ bench-defaults:        ## the shipped minilm defaults (INT8, queue delay 0, row 
 bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm
 	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.shared_cache $(BENCH_ARGS)
+
+bench-openai:          ## the gateway: /v1/embeddings vs gRPC vs Infinity, chat SSE vs a gRPC stream, /v1/rerank; writes perf/results/gateway-*
+	@bash scripts/setup.sh --dev
+	@bash scripts/setup_peers.sh infinity
+	$(BIN)/python -m perf.gateway $(BENCH_ARGS)
 
 bench-generate:        ## tinylm: continuous batching vs static (Triton-batched) vs one at a time, 16 streams + Poisson; writes perf/results/generate-*
 	@bash scripts/setup.sh --dev

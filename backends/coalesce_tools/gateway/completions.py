@@ -2,8 +2,9 @@
 
 Chat messages go through the model's own chat template (its ``tokenizer_config.json``,
 through transformers). The sampling fields map onto the backend's sampling parameters
-(vLLM's names). Prompt tokens are counted with the tokenizer the engine uses; completion
-tokens by re-encoding the generated text with it (the backend's stream carries text only).
+(vLLM's names; vLLM's own extensions ``top_k`` and ``ignore_eos`` are taken too). Prompt
+tokens are counted with the tokenizer the engine uses; completion tokens by re-encoding
+the generated text with it (the backend's stream carries text only).
 A streamed answer is OpenAI's server-sent events, ending in ``data: [DONE]``; a client that
 goes away cancels its generation in Triton.
 """
@@ -129,6 +130,12 @@ def read(model: ModelEntry, body: dict[str, Any], *, chat: bool) -> Generation:
     sampling: dict[str, Any] = {"max_tokens": max_tokens,
                                 "temperature": number(body, "temperature", low=0.0, high=2.0, default=1.0),
                                 "top_p": number(body, "top_p", low=0.0, high=1.0, default=1.0, low_open=True)}
+    # vLLM's extensions of OpenAI's fields, which its clients (and benchmarks) send.
+    top_k = integer(body, "top_k", low=-1)
+    if top_k is not None and top_k > 0:
+        sampling["top_k"] = top_k
+    if boolean(body, "ignore_eos", default=False):
+        sampling["ignore_eos"] = True
     seed = integer(body, "seed", low=0, high=2**63 - 1)
     if seed is not None:
         sampling["seed"] = seed
