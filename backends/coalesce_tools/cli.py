@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -42,6 +43,12 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if options.grpc_tls is not None or (gateway is not None and gateway.port == 0):
         # The gateway talks to Triton over plain gRPC on this machine; under gRPC TLS it stays off.
+        gateway = None
+    needed = ("starlette", "uvicorn", "orjson", "prometheus_client")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if gateway is not None and missing:
+        sys.stderr.write(f"coalesce serve: the OpenAI gateway is off: this Python lacks {', '.join(missing)} "
+                         "(pip install 'coalesce[gateway]')\n")
         gateway = None
     try:
         redis_servers = start_local_redis(options.model_repository)

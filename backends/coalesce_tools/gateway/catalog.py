@@ -70,6 +70,14 @@ class ModelEntry:
 
         return AutoTokenizer.from_pretrained(str(folder))
 
+    @functools.cached_property
+    def prompt_tokenizer(self) -> Any:
+        """A generate model's ``tokenizer.json`` as the engine loads it (``tokenizers``): its prompt counts exactly."""
+        from tokenizers import Tokenizer
+
+        self.chat_tokenizer  # noqa: B018 - the same check that the file is there
+        return Tokenizer.from_file(str(self.version_dir / self.settings.runtime.torch_model_dir / "tokenizer.json"))
+
     @property
     def max_rows(self) -> int:
         """Rows Triton takes in one request (``max_batch_size``; 0: one request is one row)."""

@@ -113,7 +113,7 @@ def read(model: ModelEntry, body: dict[str, Any], *, chat: bool) -> Generation:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise invalid("'prompt' must be a non-empty string (one prompt per request)", "prompt")
-    prompt_tokens = len(model.chat_tokenizer.backend_tokenizer.encode(prompt).ids)
+    prompt_tokens = len(model.prompt_tokenizer.encode(prompt).ids)
     options = model.settings.generate
     context = model.settings.task.max_sequence_length
     room = context - prompt_tokens
@@ -152,7 +152,7 @@ def read(model: ModelEntry, body: dict[str, Any], *, chat: bool) -> Generation:
 
 
 def _usage(generation: Generation, text: str) -> dict[str, int]:
-    completion = len(generation.model.chat_tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+    completion = len(generation.model.prompt_tokenizer.encode(text, add_special_tokens=False).ids)
     return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": completion,
             "total_tokens": generation.prompt_tokens + completion}
 
