@@ -1,7 +1,8 @@
 """A real tritonserver for the integration tests, on free ports, with explicit model control.
 
 The repository is a temporary copy of every example model of ``model_repository/``
-(one per task; build outputs linked, not copied) plus test-only variants; broken-config
+(one per task; build outputs linked, not copied), the test-only models of ``tests/models/``
+and test-only variants; broken-config
 tests add models to it and load them through the repository API. Every model is served
 together by one server, as a user's repository would be. The server is always stopped,
 and its log is shown when a test fails.
@@ -24,14 +25,15 @@ import pytest
 
 from coalesce_tools.launcher import LaunchError, ServerOptions, TritonServer
 from perf.repository import with_parameters
-from tests.conftest import EXAMPLE_MODELS, GENERATE_MODELS, MODEL_DIR, REPOSITORY, built
+from tests.conftest import EXAMPLE_MODELS, GENERATE_MODELS, MODEL_DIR, REPOSITORY, TEST_MODELS, built, model_dir
 
 #: Test-only variant: waits up to 2 s for exactly 6 requests, so a test can put 6 requests in one execute().
 WIDE_MODEL = "minilm_wide"
 WIDE_BATCH = 6
 
 
-#: Test-only variant of tinylm with a KV cache of 16 blocks of 16 tokens (256 tokens) and 300 ms of waiting for it.
+#: Test-only variant of tinylm (tests/models/) with a KV cache of 16 blocks of 16 tokens (256 tokens) and 300 ms of
+#: waiting for it.
 TIGHT_MODEL = "tinylm_tight"
 TIGHT_PARAMETERS = {"kv_cache_bytes": str(4096 * 16 * 16), "max_queue_wait_ms": "300", "max_sequence_length": "256"}
 
@@ -94,10 +96,10 @@ def repository(tmp_path_factory) -> Path:
     # The wide variant compares each neighbour's vector with sentence-transformers': FP32, every row computed.
     add_model(repo, WIDE_MODEL, wide=WIDE_BATCH, parameters={**FP32_NO_CACHE, "cost_model": FIXED_COST})
     add_model(repo, EXACT_MODEL, parameters=FP32_NO_CACHE)
-    for name in GENERATE_MODELS:
+    for name in (*GENERATE_MODELS, *TEST_MODELS):
         built(name)
-        add_model(repo, name, source=REPOSITORY / name)
-    add_model(repo, TIGHT_MODEL, source=REPOSITORY / "tinylm", parameters=TIGHT_PARAMETERS)
+        add_model(repo, name, source=model_dir(name))
+    add_model(repo, TIGHT_MODEL, source=model_dir("tinylm"), parameters=TIGHT_PARAMETERS)
     return repo
 
 
@@ -114,7 +116,7 @@ def start_server(options: ServerOptions) -> TritonServer:
 def server(repository, request):
     options = ServerOptions.on_free_ports(
         repository, model_control="explicit",
-        load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, *GENERATE_MODELS, TIGHT_MODEL),
+        load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, *GENERATE_MODELS, *TEST_MODELS, TIGHT_MODEL),
     )
     triton = start_server(options)
     request.session.triton_server = triton
@@ -313,7 +315,7 @@ def scratch_model(repository, http_client):
     def make(name: str, **kwargs) -> Path:
         names.append(name)
         if isinstance(kwargs.get("source"), str):
-            kwargs["source"] = REPOSITORY / kwargs["source"]
+            kwargs["source"] = model_dir(kwargs["source"])
         return add_model(repository, name, **kwargs)
 
     yield make
@@ -321,3 +323,25 @@ def scratch_model(repository, http_client):
         with contextlib.suppress(Exception):
             http_client.unload_model(name)
         shutil.rmtree(repository / name, ignore_errors=True)
+
+
+def start_gateway(server: TritonServer, repository: Path, **fields):
+    """``coalesce gateway`` in front of ``server`` (a child process on a free port), started and ready."""
+    from coalesce_tools.gateway.options import GatewayOptions
+    from coalesce_tools.gateway.server import GatewayProcess
+    from coalesce_tools.launcher import ADMIN_HEADER, free_port
+
+    options = GatewayOptions(model_repository=repository, triton_grpc_url=server.grpc_url, port=free_port(),
+                             triton_admin_key=server.admin_headers.get(ADMIN_HEADER), **fields)
+    try:
+        return GatewayProcess(options).start()
+    except RuntimeError as exc:
+        pytest.fail(f"the gateway did not start: {exc}")
+
+
+@pytest.fixture(scope="session")
+def gateway(server, repository):
+    """The gateway in front of the shared server, as ``coalesce serve`` starts it (no keys)."""
+    process = start_gateway(server, repository)
+    yield process
+    process.stop()
