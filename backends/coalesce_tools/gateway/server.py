@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -13,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-from coalesce_tools.gateway.options import GatewayOptions, GatewayOptionsError
+from coalesce_tools.gateway.options import API_KEY_ENV, API_KEY_FILE_ENV, GatewayOptions, GatewayOptionsError
 
 
 def run(options: GatewayOptions) -> None:
@@ -39,10 +41,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="Triton's gRPC endpoint (default 127.0.0.1:$GRPC_PORT, 8001)")
     parser.add_argument("--host", default=None, help="address to bind (default $HOST, 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default $OPENAI_PORT, 9000)")
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help="largest request body (default $OPENAI_MAX_BODY_BYTES, 8 MiB)")
+    parser.add_argument("--request-timeout-s", type=float, default=None,
+                        help="seconds a Triton call may take before the client gets 504 (default 600)")
     args = parser.parse_args(argv)
     url = args.triton_grpc_url or f"127.0.0.1:{os.environ.get('GRPC_PORT', '8001')}"
     try:
         options = GatewayOptions.from_env(args.model_repository, triton_grpc_url=url, host=args.host, port=args.port)
+        changes = {"max_body_bytes": args.max_body_bytes, "request_timeout_s": args.request_timeout_s}
+        options = dataclasses.replace(options, **{k: v for k, v in changes.items() if v is not None})
     except GatewayOptionsError as exc:
         sys.stderr.write(f"coalesce gateway: {exc}\n")
         return 2
@@ -61,6 +69,7 @@ class GatewayProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._keys_file: Path | None = None
         self.restarts = 0
 
     @property
@@ -74,16 +83,26 @@ class GatewayProcess:
         """The child's command line (its keys and limits travel in the environment, as given)."""
         return [sys.executable, "-m", "coalesce_tools.gateway", "--model-repository",
                 str(self.options.model_repository), "--triton-grpc-url", self.options.triton_grpc_url,
-                "--host", self.options.host, "--port", str(self.options.port)]
+                "--host", self.options.host, "--port", str(self.options.port),
+                "--max-body-bytes", str(self.options.max_body_bytes),
+                "--request-timeout-s", str(self.options.request_timeout_s)]
 
     def _spawn(self) -> None:
         from coalesce_tools.launcher import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV
 
-        environment = dict(os.environ)
-        environment.pop(ADMIN_KEY_FILE_ENV, None)
-        environment.pop(ADMIN_KEY_ENV, None)
+        # Secrets travel in the environment (never on the command line, which any user can read): the
+        # admin key for the index, and the bearer keys (a file of them, readable by this user alone).
+        environment = {k: v for k, v in os.environ.items()
+                       if k not in (ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, API_KEY_ENV, API_KEY_FILE_ENV)}
         if self.options.triton_admin_key:
             environment[ADMIN_KEY_ENV] = self.options.triton_admin_key
+        if self.options.api_keys:
+            if self._keys_file is None:
+                descriptor, name = tempfile.mkstemp(prefix="coalesce-gateway-keys-")
+                with os.fdopen(descriptor, "w") as keys:
+                    keys.write("\n".join(self.options.api_keys) + "\n")
+                self._keys_file = Path(name)
+            environment[API_KEY_FILE_ENV] = str(self._keys_file)
         self._process = subprocess.Popen(self.command(), env=environment,
                                          stdout=None if self._echo else subprocess.DEVNULL,
                                          stderr=None if self._echo else subprocess.DEVNULL)
@@ -137,14 +156,16 @@ class GatewayProcess:
         """Stop the child (SIGTERM: open streams are cut, then it exits)."""
         self._stopping.set()
         process = self._process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._keys_file is not None:
+            self._keys_file.unlink(missing_ok=True)
+            self._keys_file = None
 
     def __enter__(self) -> GatewayProcess:
         return self.start()
