@@ -65,8 +65,10 @@ def test_sigterm_answers_what_was_accepted_and_exits_in_time(tmp_path, reference
     repo = tmp_path / "repository"
     add_model(repo, "minilm", source=REPOSITORY / "minilm")
     http_port = free_port()
+    openai_port = free_port()
     env = dict(
         os.environ,
+        OPENAI_PORT=str(openai_port),
         HTTP_PORT=str(http_port),
         GRPC_PORT=str(free_port()),
         METRICS_PORT=str(free_port()),
@@ -91,6 +93,16 @@ def test_sigterm_answers_what_was_accepted_and_exits_in_time(tmp_path, reference
             assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "not ready in 180 s"
             time.sleep(0.25)
+        # The gateway comes up beside Triton, and is gone with it (the process check at the end).
+        gateway = f"http://127.0.0.1:{openai_port}"
+        while True:
+            try:
+                with urllib.request.urlopen(gateway + "/health", timeout=5) as reply:
+                    assert reply.status == 200
+                    break
+            except OSError:
+                assert serve.poll() is None and time.monotonic() < deadline, "the gateway did not come up"
+                time.sleep(0.25)
         started = threading.Barrier(IN_FLIGHT + 1)
 
         def call(worker: int) -> None:
