@@ -50,9 +50,9 @@ from coalesce_tools.launcher import (
     RedisServer,
     ServerOptions,
     TritonServer,
-    _set_parent_death_signal,
     connect_host,
     free_port,
+    set_parent_death_signal,
 )
 from coalesce_tools.supervisor import SupervisorOptions
 
@@ -375,7 +375,7 @@ class Balancer:
         self._process = subprocess.Popen(
             [self.binary, "-W", "-db", "-f", str(self.config_path)], stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
-            preexec_fn=_set_parent_death_signal)
+            preexec_fn=set_parent_death_signal)
         self._reader = threading.Thread(target=self._read_output, name="haproxy-log", daemon=True)
         self._reader.start()
         deadline = time.monotonic() + timeout_s

@@ -236,7 +236,8 @@ def library_path(*extra: Path | str) -> str:
     return ":".join(p for p in parts if p)
 
 
-def _set_parent_death_signal() -> None:
+def set_parent_death_signal() -> None:
+    """Ask Linux to send this (child) process SIGTERM when its parent dies (``preexec_fn`` of a child)."""
     # Linux: the server gets SIGTERM if its launcher dies, so a killed test run leaves no server behind.
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -373,7 +374,7 @@ class TritonServer:
         self._process = subprocess.Popen(
             self.command(), env=self.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, errors="replace", bufsize=1, start_new_session=True,
-            preexec_fn=_set_parent_death_signal)
+            preexec_fn=set_parent_death_signal)
         self._reader = threading.Thread(target=self._read_output, name="tritonserver-log", daemon=True)
         self._reader.start()
         try:
@@ -642,7 +643,7 @@ class RedisServer:
                         "--tls-auth-clients", "no"]
         with self._log.open("ab") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                             preexec_fn=_set_parent_death_signal)
+                                             preexec_fn=set_parent_death_signal)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:

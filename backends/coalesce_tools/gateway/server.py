@@ -103,9 +103,13 @@ class GatewayProcess:
                     keys.write("\n".join(self.options.api_keys) + "\n")
                 self._keys_file = Path(name)
             environment[API_KEY_FILE_ENV] = str(self._keys_file)
+        from coalesce_tools.launcher import set_parent_death_signal
+
+        # Like the server it fronts, it gets SIGTERM if its launcher dies: a killed run leaves no gateway behind.
         self._process = subprocess.Popen(self.command(), env=environment,
                                          stdout=None if self._echo else subprocess.DEVNULL,
-                                         stderr=None if self._echo else subprocess.DEVNULL)
+                                         stderr=None if self._echo else subprocess.DEVNULL,
+                                         preexec_fn=set_parent_death_signal)
 
     def start(self) -> GatewayProcess:
         """Start the child and wait until ``/health`` answers (Triton ready behind it).
