@@ -123,4 +123,4 @@ lock:                  ## re-pin requirements/constraints.txt from a fresh venv 
 clean:
 	rm -rf $(VENV) model_repository/*/[0-9]*/model.onnx model_repository/*/[0-9]*/model.int8.onnx* model_repository/*/[0-9]*/tokenizer.json \
 	  model_repository/*/[0-9]*/export.json model_repository/*/[0-9]*/hf model_repository/*/[0-9]*/model.plan* \
-	  model_repository/*/[0-9]*/*.tmp
+	  model_repository/*/[0-9]*/*.tmp tests/models/*/[0-9]*

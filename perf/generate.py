@@ -1,7 +1,10 @@
 """``make bench-generate``: continuous batching against request-level static batching and one request at a time.
 
 One tritonserver (explicit model control) serves one temporary repository holding three
-models on the same tinylm weights (the shipped version folder's ``hf/``, linked):
+models on the same tinylm weights (its version folder's ``hf/``, linked). tinylm is the
+untrained test model of ``tests/models/`` (``make setup-dev`` builds it): fast, so the
+benchmark measures the batching rather than the model; moving it to the example model
+``smollm2`` (a real LM, ~35x the parameters) is left to a later issue.
 
 - ``continuous``: ``tinylm`` as shipped: every step runs one forward pass over all active
   sequences; requests join the next step and leave the step they finish.
@@ -51,7 +54,7 @@ from perf.report import write_summary
 from perf.repository import with_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
-TINYLM = ROOT / "model_repository" / "tinylm"
+TINYLM = ROOT / "tests" / "models" / "tinylm"
 SYSTEMS: Final = ("continuous", "static", "single")
 MODELS: Final = {"continuous": "tinylm", "static": "tinylm_static", "single": "tinylm_single"}
 MODES: Final = ("closed", "open")
@@ -753,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     if sorted(set(systems) - set(SYSTEMS)) or sorted(set(modes) - set(MODES)):
         parser.error(f"systems are {', '.join(SYSTEMS)}; modes are {', '.join(MODES)}")
     if not (TINYLM / "1" / "hf" / "tokenizer.json").is_file():
-        parser.error(f"{TINYLM / '1' / 'hf'} is not built: run `coalesce prepare --model-repository model_repository`")
+        parser.error(f"{TINYLM / '1' / 'hf'} is not built: run `coalesce prepare --model-repository tests/models` "
+                     "(make setup-dev does)")
 
     import tritonclient.http as httpclient
     from tokenizers import Tokenizer

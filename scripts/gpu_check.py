@@ -16,13 +16,20 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION_DIR = ROOT / "model_repository" / "minilm" / "1"
+#: Test-only models (tests/models/, built by `make setup-dev`): the untrained tinylm.
+TEST_MODELS = ("tinylm",)
 OUT = Path(os.environ.get("OUT", ROOT / "perf" / "results"))
 TEXTS = ["Coalesce turns dynamic batches into few forward passes.", "short", "日本語の文章を埋め込みます。",
          "a longer document " * 40, "emoji only: 🤖🎉", "The quick brown fox jumps over the lazy dog."] * 8
 
 
+def model_dir(model: str) -> Path:
+    """Model ``model``'s folder: an example model's in model_repository/, a test model's in tests/models/."""
+    return ROOT / ("tests/models" if model in TEST_MODELS else "model_repository") / model
+
+
 def run_task(model: str, runtime: Any, tensors: dict[str, np.ndarray], output: str) -> tuple[np.ndarray, float]:
-    """One request through example model ``model``'s task and pipeline over ``runtime``: (output, seconds warm)."""
+    """One request through model ``model``'s task and pipeline over ``runtime``: (output, seconds warm)."""
     from coalesce.batching.costmodel import CostModel
     from coalesce.batching.pipeline import Pipeline
     from coalesce.observability.metrics import InMemoryMetricFactory, PipelineMetrics
@@ -30,7 +37,7 @@ def run_task(model: str, runtime: Any, tensors: dict[str, np.ndarray], output: s
     from coalesce.tasks import create_task
     from coalesce_tools.config import read_model_config
 
-    version_dir = ROOT / "model_repository" / model / "1"
+    version_dir = model_dir(model) / "1"
     config = read_model_config(version_dir.parent / "config.pbtxt")
     settings = ModelSettings.from_model_config(config)
     task = create_task(settings, config, version_dir)
@@ -93,7 +100,7 @@ def main() -> int:
             except Exception as exc:
                 parts[label] = {"ran": True, "ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
 
-    rerank_dir = ROOT / "model_repository" / "minilm_rerank" / "1"
+    rerank_dir = model_dir("minilm_rerank") / "1"
     if not gpu:
         parts["classify-torch-cuda"] = {"ran": False, "why": "torch.cuda.is_available() is False"}
     else:
@@ -165,10 +172,10 @@ def generate_part(precision: str, device: str = "cuda:0") -> dict[str, Any]:
         from coalesce.settings import ModelSettings
         from coalesce_tools.config import read_model_config, with_parameters
 
-        model_dir = ROOT / "model_repository" / "tinylm"
-        config = with_parameters(read_model_config(model_dir / "config.pbtxt"), {"precision": precision})
+        folder = model_dir("tinylm")
+        config = with_parameters(read_model_config(folder / "config.pbtxt"), {"precision": precision})
         settings = ModelSettings.from_model_config(config)
-        engine = load_engine(config, model_dir / "1", settings=settings, instance_kind="GPU", start=False)
+        engine = load_engine(config, folder / "1", settings=settings, instance_kind="GPU", start=False)
         texts: dict[int, str] = {}
         prompts = [" ".join(TEXTS[i % len(TEXTS)].split()[: 3 + i * 5]) for i in range(16)]
         for i, prompt in enumerate(prompts):
@@ -184,7 +191,7 @@ def generate_part(precision: str, device: str = "cuda:0") -> dict[str, Any]:
         seconds = time.perf_counter() - start
         dtype = torch.float16 if precision == "fp16" else torch.float32
         # transformers types .to() through a decorator that mypy reads as taking the model itself.
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir / "1" / "hf"), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+        model = AutoModelForCausalLM.from_pretrained(str(folder / "1" / "hf"), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
         equal = 0
         for i, prompt in enumerate(prompts):
             ids = engine.tokenizer.encode(prompt).ids

@@ -6,7 +6,7 @@
 #   1. torch on CUDA (fp32, fp16, CUDA graphs) against ONNX Runtime on the CPU: cosine >= 0.999, timings
 #   2. ONNX Runtime GPU providers, when onnxruntime-gpu is installed
 #   3. TensorRT: build an engine with profiles from the config, run it, compare; when `tensorrt` imports
-#   4. tinylm's generation engine on CUDA (fp32, fp16) against transformers' generate, tokens/s
+#   4. tinylm's generation engine (tests/models/) on CUDA (fp32, fp16) against transformers' generate, tokens/s
 #   5. Triton with the KIND_GPU config against the CPU config (embeddings, perf_analyzer), when a
 #      tritonserver and the serve extra are installed
 set -uo pipefail

