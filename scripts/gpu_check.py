@@ -16,8 +16,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION_DIR = ROOT / "model_repository" / "minilm" / "1"
-#: Test-only models (tests/models/, built by `make setup-dev`): the untrained tinylm.
-TEST_MODELS = ("tinylm",)
+#: Test-only models (tests/models/, built by `make setup-dev`): the seeded cross-encoder and the untrained tinylm.
+TEST_MODELS = ("minilm_cross_encoder", "tinylm")
 OUT = Path(os.environ.get("OUT", ROOT / "perf" / "results"))
 TEXTS = ["Coalesce turns dynamic batches into few forward passes.", "short", "日本語の文章を埋め込みます。",
          "a longer document " * 40, "emoji only: 🤖🎉", "The quick brown fox jumps over the lazy dog."] * 8
@@ -59,10 +59,10 @@ def embed_with(runtime: Any) -> tuple[np.ndarray, float]:
 
 
 def rerank_with(runtime: Any) -> tuple[np.ndarray, float]:
-    """Score (query, text) pairs of TEXTS through the minilm_rerank classify task over ``runtime``."""
+    """Score (query, text) pairs of TEXTS through the minilm_cross_encoder classify task over ``runtime``."""
     texts = np.array([[t.encode()] for t in TEXTS], dtype=object)
     queries = np.array([[b"what does coalescing do"]] * len(TEXTS), dtype=object)
-    return run_task("minilm_rerank", runtime, {"TEXT": queries, "TEXT_PAIR": texts}, "SCORES")
+    return run_task("minilm_cross_encoder", runtime, {"TEXT": queries, "TEXT_PAIR": texts}, "SCORES")
 
 
 def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
@@ -100,7 +100,7 @@ def main() -> int:
             except Exception as exc:
                 parts[label] = {"ran": True, "ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
 
-    rerank_dir = model_dir("minilm_rerank") / "1"
+    rerank_dir = model_dir("minilm_cross_encoder") / "1"
     if not gpu:
         parts["classify-torch-cuda"] = {"ran": False, "why": "torch.cuda.is_available() is False"}
     else:

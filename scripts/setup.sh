@@ -143,7 +143,7 @@ if [ "$($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("ll
 fi
 
 # 3. The models: example models built by their recipes (skipped while current), a user's own checked;
-# with --dev also the test-only models of tests/models/ (an untrained causal LM).
+# with --dev also the test-only models of tests/models/ (an untrained causal LM, a seeded cross-encoder).
 HF_HUB_OFFLINE=1 $VENV/bin/coalesce prepare --model-repository "$MODEL_REPOSITORY"
 if [[ " ${EXTRAS[*]} " == *" dev "* ]]; then
   HF_HUB_OFFLINE=1 $VENV/bin/coalesce prepare --model-repository tests/models

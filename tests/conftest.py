@@ -17,8 +17,9 @@ EXAMPLE_MODELS = ("minilm", "minilm_rerank", "minilm_tokens", "digits")
 GENERATE_MODELS = ("smollm2",)
 #: The test-only repository (``make setup-dev`` builds it): models no example should be, kept for what they test.
 TEST_REPOSITORY = ROOT / "tests" / "models"
-#: An untrained causal LM (fast: for the engine's behaviour).
-TEST_MODELS = ("tinylm",)
+#: An untrained causal LM (fast: for the engine's behaviour) and a cross-encoder with a seeded head (the classify
+#: task with pairs; its scores are meaningless).
+TEST_MODELS = ("tinylm", "minilm_cross_encoder")
 #: Test models of task ``generate``.
 TEST_GENERATE_MODELS = ("tinylm",)
 

@@ -23,18 +23,25 @@ from coalesce.runtimes.onnx import read_graph_io
 from coalesce.runtimes.profiles import DEFAULT_LENGTH_BUCKETS, Profile, derive_profiles
 from coalesce.runtimes.tensorrt import engine_metadata_path
 from coalesce.settings import ModelSettings
+from coalesce.tasks import TASK_TYPES
 from coalesce_tools.config import read_model_config
 
 
 def read_config_limits(config: dict[str, Any]) -> dict[str, Any]:
-    """``max_batch_size``, preferred batch sizes, the row limit of a pass and the longest row, from a config."""
+    """``max_batch_size``, preferred batch sizes, the row limit of a pass and the longest row, from a config.
+
+    Rows are the graph's: where a task's row feeds the graph several sequences (``similarity``:
+    two texts), the batch sizes and the pass limit are multiplied by that many.
+    """
     settings = ModelSettings.from_model_config(config)
     has_length = settings.task.task != "tensor" or any(
         -1 in [int(d) for d in t.get("dims", [])] for t in config.get("input", []))
-    return {"max_batch_size": settings.max_batch_size,
-            "preferred_batch_sizes": [int(v) for v in (config.get("dynamic_batching") or {})
+    task = TASK_TYPES.get(settings.task.task)
+    per_row = task.graph_rows_per_row if task is not None else 1
+    return {"max_batch_size": settings.max_batch_size * per_row,
+            "preferred_batch_sizes": [int(v) * per_row for v in (config.get("dynamic_batching") or {})
                                       .get("preferred_batch_size", [])],
-            "max_batch_rows": settings.planner.max_batch_rows,
+            "max_batch_rows": settings.planner.max_batch_rows * per_row,
             "max_sequence_length": settings.task.max_sequence_length if has_length else 1}
 
 

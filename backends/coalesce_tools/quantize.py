@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from coalesce.cache.keys import file_digest
-from coalesce.settings import ModelSettings
+from coalesce.settings import INT8_TASKS, ModelSettings
 
 #: Bump when the quantisation changes, so stale INT8 graphs are rebuilt.
 QUANTIZE_FORMAT: Final = 2
@@ -67,9 +67,9 @@ def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool =
     parameters = {**(config.get("parameters") or {}), "precision": {"string_value": "fp32"}}
     settings = ModelSettings.from_model_config({**config, "parameters": parameters})
     options = settings.runtime
-    if settings.task.task != "embedding":
+    if settings.task.task not in INT8_TASKS:
         raise SystemExit(f"coalesce export --int8: model '{settings.model_name}' has task '{settings.task.task}'; "
-                         "INT8 is for task embedding")
+                         f"INT8 is for tasks {' and '.join(INT8_TASKS)}")
     fp32_path = version_dir / options.onnx_file
     int8_path = version_dir / options.int8_onnx_file
     record_path = int8_path.with_name(int8_path.name + RECORD_SUFFIX)

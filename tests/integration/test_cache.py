@@ -101,6 +101,13 @@ def _digit_rows(rows):
 #: holding two of its rows (in another order), one new row and a duplicate of that new row.
 TASK_CASES = {
     "classify": (
+        "minilm_cross_encoder",
+        "SCORES",
+        _classify_rows,
+        [("q", "first document"), ("q", "second document")],
+        [("q", "second document"), ("q", "new"), ("q", "new"), ("q", "first document")],
+    ),
+    "similarity": (
         "minilm_rerank",
         "SCORES",
         _classify_rows,
@@ -116,6 +123,9 @@ TASK_CASES = {
     ),
     "tensor_fixed": ("digits", "logits", _digit_rows, [1.0, 2.0], [2.0, 5.0, 5.0, 1.0]),
 }
+#: How close cached rows are to the source model's computed ones: minilm_rerank is INT8, whose kernels may round a
+#: row differently beside other rows (the cache holds its first computation, bit for bit).
+TOLERANCE = {"similarity": 1e-3}
 
 
 @pytest.mark.parametrize("case", sorted(TASK_CASES))
@@ -129,7 +139,7 @@ def test_every_task_answers_cached_and_duplicate_rows_bit_identical(server, scra
     plain = infer(server, "grpc", source, make(second_rows), [output])[output]  # the same rows, no cache
     assert second[3].tobytes() == first[0].tobytes() and second[0].tobytes() == first[1].tobytes()
     assert second[1].tobytes() == second[2].tobytes()
-    np.testing.assert_allclose(second, plain, atol=1e-5)
+    np.testing.assert_allclose(second, plain, atol=TOLERANCE.get(case, 1e-5))
     settled_metric(server, "coalesce_cache_hits_total", name, lambda v: v == 2)
     settled_metric(server, "coalesce_cache_misses_total", name, lambda v: v == 3)
     settled_metric(server, "coalesce_deduplicated_rows_total", name, lambda v: v == 1)

@@ -1,9 +1,9 @@
-"""The classify task on a real tritonserver, over HTTP and gRPC: a cross-encoder reranker (``minilm_rerank``).
+"""The classify task on a real tritonserver, over HTTP and gRPC: a cross-encoder (``minilm_cross_encoder``).
 
-The served model is built at set-up from the packaged MiniLM encoder with a seeded
-classification head (no cross-encoder weights ship in any package here): its scores
-are not meaningful, but ``transformers`` computes the same model's outputs, which the
-served scores must equal.
+The served model is the test-only one of ``tests/models/``, built at set-up from the
+packaged MiniLM encoder with a seeded classification head (no cross-encoder weights ship
+in any package here): its scores are not meaningful, but ``transformers`` computes the
+same model's outputs, which the served scores must equal.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from coalesce_client.load import model_counts, sample_texts
 from tests.conftest import TRICKY_TEXTS, built
 from tests.integration.conftest import FIXED_COST, in_one_execute, infer, infer_concurrently
 
-MODEL = "minilm_rerank"
+MODEL = "minilm_cross_encoder"
 PROTOCOLS = ("http", "grpc")
 QUERY = "how do dynamic batchers coalesce requests?"
 

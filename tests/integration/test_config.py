@@ -7,7 +7,7 @@ import shutil
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import REPOSITORY
+from tests.conftest import REPOSITORY, model_dir
 
 
 @pytest.mark.parametrize(("name", "replace", "fragments"), [
@@ -81,14 +81,20 @@ def _minimal_model(repository, name: str, source: str, files: tuple[str, ...], c
     target.mkdir(parents=True)
     (repository / name / "config.pbtxt").write_text(config)
     for item in files:
-        (target / item).symlink_to((REPOSITORY / source / "1" / item).resolve())
+        (target / item).symlink_to((model_dir(source) / "1" / item).resolve())
 
 
 @pytest.mark.parametrize(("name", "source", "files", "extra", "inputs", "outputs"), [
     ("user_embedder", "minilm", ("model.onnx", "tokenizer.json"), "",
      [("TEXT", "TYPE_STRING", [1])], [("EMBEDDING", "TYPE_FP32", [384])]),
-    ("user_reranker", "minilm_rerank", ("model.onnx", "tokenizer.json"),
+    ("user_reranker", "minilm_cross_encoder", ("model.onnx", "tokenizer.json"),
      'parameters [ { key: "task", value: { string_value: "classify" } } ]\n',
+     [("TEXT", "TYPE_STRING", [1]), ("TEXT_PAIR", "TYPE_STRING", [1])], [("SCORES", "TYPE_FP32", [1])]),
+    # A fixed cost model: calibrating passes of 2 x 64 sequences on every core, beside the tests' other models,
+    # can take longer than the client's 60 s for a load (completion is what is tested here).
+    ("user_scorer", "minilm", ("model.onnx", "tokenizer.json"),
+     'parameters [ { key: "task", value: { string_value: "similarity" } },\n'
+     '  { key: "cost_model", value: { string_value: "0.003,0.0001,0" } } ]\n',
      [("TEXT", "TYPE_STRING", [1]), ("TEXT_PAIR", "TYPE_STRING", [1])], [("SCORES", "TYPE_FP32", [1])]),
     ("user_graph", "minilm_tokens", ("model.onnx",),
      'parameters [ { key: "task", value: { string_value: "tensor" } },\n'
@@ -131,5 +137,5 @@ def test_a_parameter_of_another_task_is_refused(scratch_model, http_client):
     scratch_model("pooled_digits", source="digits", parameters={"pooling": "cls"})
     with pytest.raises(InferenceServerException) as info:
         http_client.load_model("pooled_digits")
-    assert "parameter 'pooling' (value 'cls') applies to task embedding, but this model's task is 'tensor'" in \
-        info.value.message()
+    assert ("parameter 'pooling' (value 'cls') applies to tasks embedding and similarity, but this model's task is "
+            "'tensor'") in info.value.message()

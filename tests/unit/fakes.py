@@ -183,9 +183,16 @@ def embedding_pipeline(runtime: Any = None, *, cache: RowCache | None = None, sh
 def classify_pipeline(runtime: Any = None, *, cache: RowCache | None = None, shared: RedisTier | None = None,
                       pipeline_metrics: Recorded | None = None, **parameters: Any
                       ) -> tuple[Pipeline, InMemoryMetricFactory]:
-    """The ``minilm_rerank`` example model's classify task (pairs, sigmoid) over a fake classifier."""
-    return make_pipeline(model_config("minilm_rerank", **parameters), built("minilm_rerank"),
+    """The ``minilm_cross_encoder`` test model's classify task (pairs, sigmoid) over a fake classifier."""
+    return make_pipeline(model_config("minilm_cross_encoder", **parameters), built("minilm_cross_encoder"),
                          runtime or ClassifierRuntime(), cache=cache, shared=shared, pipeline_metrics=pipeline_metrics)
+
+
+def similarity_pipeline(runtime: Any = None, *, cache: RowCache | None = None, shared: RedisTier | None = None,
+                        **parameters: Any) -> tuple[Pipeline, InMemoryMetricFactory]:
+    """The ``minilm_rerank`` example model's similarity task (pairs, cosine) over a fake encoder."""
+    return make_pipeline(model_config("minilm_rerank", **parameters), built("minilm_rerank"),
+                         runtime or EncoderRuntime(), cache=cache, shared=shared)
 
 
 def tokens_pipeline(runtime: Any = None, *, cache: RowCache | None = None, shared: RedisTier | None = None,

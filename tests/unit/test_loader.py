@@ -64,7 +64,7 @@ def test_a_model_without_batching_is_refused():
 # -- auto-completion ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["minilm", "minilm_rerank", "minilm_tokens"])
+@pytest.mark.parametrize("name", ["minilm", "minilm_rerank", "minilm_tokens", "minilm_cross_encoder"])
 def test_a_config_that_declares_everything_gets_nothing_added(name):
     completion = complete_config(model_config(name), built(name))
     assert (completion.inputs, completion.outputs, completion.max_batch_size, completion.notes) == ([], [], None, [])
@@ -117,8 +117,13 @@ def test_symbolic_dims_of_a_tensor_graph_become_variable_and_the_mask_optional()
 @pytest.mark.parametrize(("name", "task", "inputs", "outputs"), [
     ("minilm", "embedding", [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": [1]}],
      [{"name": "EMBEDDING", "data_type": "TYPE_FP32", "dims": [384]}]),
-    ("minilm_rerank", "classify", [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": [1]},
-                                   {"name": "TEXT_PAIR", "data_type": "TYPE_STRING", "dims": [1], "optional": True}],
+    ("minilm_cross_encoder", "classify", [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": [1]},
+                                          {"name": "TEXT_PAIR", "data_type": "TYPE_STRING", "dims": [1],
+                                           "optional": True}],
+     [{"name": "SCORES", "data_type": "TYPE_FP32", "dims": [1]}]),
+    # Pairs are every row of a similarity model: TEXT_PAIR is required; one score a row, whatever the graph's width.
+    ("minilm_rerank", "similarity", [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": [1]},
+                                     {"name": "TEXT_PAIR", "data_type": "TYPE_STRING", "dims": [1]}],
      [{"name": "SCORES", "data_type": "TYPE_FP32", "dims": [1]}]),
 ])
 def test_a_text_model_is_completed_from_its_graph(name, task, inputs, outputs):
@@ -269,7 +274,7 @@ def example_requests(name):
         return [{"TEXT": texts("first text", "second")}, {"TEXT": texts("a third, longer text about batching")}]
     if name == "minilm_rerank":
         return [{"TEXT": texts("q", "q"), "TEXT_PAIR": texts("a document", "another")},
-                {"TEXT": texts("alone")}]
+                {"TEXT": texts("a query of its own"), "TEXT_PAIR": texts("q")}]
     if name == "minilm_tokens":
         ids = [np.array([[101, 7592, 2088, 102]]), np.array([[101, 2023, 102], [101, 2003, 102]])]
         return [{"input_ids": i, "token_type_ids": np.zeros_like(i)} for i in ids]
@@ -279,8 +284,9 @@ def example_requests(name):
 @pytest.mark.parametrize("name", EXAMPLE_MODELS)
 def test_every_example_model_loads_and_coalesces_like_each_request_alone(name):
     assert (REPOSITORY / name / "config.pbtxt").is_file()
-    # minilm in FP32: its INT8 vectors may differ slightly with a pass's other rows (tests/unit/runtimes/test_int8.py)
-    exact = {"precision": "fp32"} if name == "minilm" else {}
+    # minilm and minilm_rerank in FP32: INT8 vectors may differ slightly with a pass's other rows
+    # (tests/unit/runtimes/test_int8.py)
+    exact = {"precision": "fp32"} if name in ("minilm", "minilm_rerank") else {}
     config = completed(model_config(name, cost_model=FIXED_COST, **exact), built(name))
     pipeline = load_pipeline(config, built(name))
     assert pipeline.runtime.name == "onnxruntime"

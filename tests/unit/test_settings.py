@@ -72,7 +72,8 @@ def test_booleans(value, expected):
     ("normalize", "maybe", "parameter 'normalize' has bad value 'maybe': expected true or false"),
     ("runtime", "tensorflow",
      "parameter 'runtime' has bad value 'tensorflow': expected one of auto, tensorrt, onnxruntime, torch, bls"),
-    ("task", "chat", "parameter 'task' has bad value 'chat': expected one of embedding, classify, tensor, generate"),
+    ("task", "chat", "parameter 'task' has bad value 'chat': expected one of embedding, classify, similarity, "
+                     "tensor, generate"),
     ("pooling", "max", "parameter 'pooling' has bad value 'max': expected one of mean, cls"),
     ("max_sequence_length", "0", "parameter 'max_sequence_length' has bad value '0': must be >= 1"),
     ("max_text_bytes", "2000000000", "parameter 'max_text_bytes' has bad value '2000000000': must be <= 1.07374e+09"),
@@ -108,18 +109,19 @@ def test_an_unknown_key_is_named_with_its_value_and_the_known_keys():
 
 
 @pytest.mark.parametrize(("task", "key", "value", "applies"), [
-    ("classify", "pooling", "cls", "embedding"),
-    ("classify", "normalize", "false", "embedding"),
-    ("embedding", "activation", "sigmoid", "classify"),
-    ("tensor", "tokenizer_file", "t.json", "embedding and classify"),
-    ("tensor", "max_text_bytes", "10", "embedding and classify"),
-    ("embedding", "mask_input", "attention_mask", "tensor"),
-    ("classify", "pad_value:input_ids", "0", "tensor"),
+    ("classify", "pooling", "cls", "tasks embedding and similarity"),
+    ("classify", "normalize", "false", "tasks embedding and similarity"),
+    ("embedding", "activation", "sigmoid", "task classify"),
+    ("similarity", "activation", "sigmoid", "task classify"),
+    ("tensor", "tokenizer_file", "t.json", "tasks embedding, classify and similarity"),
+    ("tensor", "max_text_bytes", "10", "tasks embedding, classify and similarity"),
+    ("embedding", "mask_input", "attention_mask", "task tensor"),
+    ("classify", "pad_value:input_ids", "0", "task tensor"),
 ])
 def test_a_key_of_another_tasks_options_is_refused_naming_the_task(task, key, value, applies):
     with pytest.raises(SettingsError) as info:
         ModelSettings.from_parameters({"task": task, key: value}, model_name="m")
-    assert str(info.value) == (f"model 'm': parameter '{key}' (value '{value}') applies to task {applies}, but this "
+    assert str(info.value) == (f"model 'm': parameter '{key}' (value '{value}') applies to {applies}, but this "
                                f"model's task is '{task}'")
 
 

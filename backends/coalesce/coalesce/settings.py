@@ -18,9 +18,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Final
 
 #: The tasks a model may declare (parameter ``task``).
-TASKS: Final = ("embedding", "classify", "tensor", "generate")
+TASKS: Final = ("embedding", "classify", "similarity", "tensor", "generate")
 #: The tasks whose requests are rows coalesced into forward passes (every task but ``generate``).
-ROW_TASKS: Final = ("embedding", "classify", "tensor")
+ROW_TASKS: Final = ("embedding", "classify", "similarity", "tensor")
+#: The tasks whose rows are texts (or text pairs), tokenised with the model's ``tokenizer.json``.
+TEXT_TASKS: Final = ("embedding", "classify", "similarity")
+#: The tasks whose graph gives token states that INT8 may serve (the accuracy guard compares their embeddings).
+INT8_TASKS: Final = ("embedding", "similarity")
 GENERATION_BATCHING_CHOICES: Final = ("continuous", "request")
 RUNTIME_CHOICES: Final = ("auto", "tensorrt", "onnxruntime", "torch", "bls")
 PRECISION_CHOICES: Final = ("fp32", "fp16", "int8")
@@ -59,8 +63,9 @@ class TaskOptions:
 
     task: str = _spec(
         "embedding", "What the model does: `embedding` (texts to vectors), `classify` (texts or text pairs to "
-        "scores: classifiers and cross-encoder rerankers), `tensor` (any graph: named tensors in and out, rows on "
-        "dim 0) or `generate` (a causal LM: text in, generated text out, streamed; a decoupled model).",
+        "scores: classifiers and cross-encoder rerankers), `similarity` (text pairs to the cosine of their two "
+        "embeddings: a bi-encoder scorer), `tensor` (any graph: named tensors in and out, rows on dim 0) or "
+        "`generate` (a causal LM: text in, generated text out, streamed; a decoupled model).",
         choices=TASKS)
     max_sequence_length: int = _spec(
         256, "Longest row in positions: text tasks truncate to this many tokens (special tokens included); the "
@@ -74,9 +79,9 @@ class TaskOptions:
 
 @dataclasses.dataclass(frozen=True)
 class TextOptions:
-    """Reading and tokenising texts (tasks ``embedding`` and ``classify``)."""
+    """Reading and tokenising texts (tasks ``embedding``, ``classify`` and ``similarity``)."""
 
-    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("embedding", "classify")
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = TEXT_TASKS
 
     tokenizer_file: str = _spec("tokenizer.json", "Hugging Face `tokenizers` file, relative to the version folder.")
     max_text_bytes: int = _spec(1_048_576, "Largest accepted text in bytes; a larger one gets INVALID_ARG.",
@@ -89,13 +94,13 @@ class TextOptions:
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingOptions:
-    """Turning token states into one vector per text (task ``embedding``)."""
+    """Turning token states into one vector per text (tasks ``embedding`` and ``similarity``)."""
 
-    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("embedding",)
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("embedding", "similarity")
 
     pooling: str = _spec("mean", "Pooling of token states: `mean` over the attention mask, or `cls` (the first "
                          "token's state).", choices=POOLING_CHOICES)
-    normalize: bool = _spec(True, "L2-normalise each embedding.")
+    normalize: bool = _spec(True, "L2-normalise each embedding (task similarity: always, its scores are cosines).")
     matryoshka_dimensions: str = _spec(
         "", "Widths the model was trained to be cut to (Matryoshka), comma-separated, e.g. `256,128,64`: the "
         "gateway's `dimensions` takes only these (and the full width), cutting and re-normalising each vector; "
@@ -194,8 +199,8 @@ class RuntimeOptions:
         "hf", "Hugging Face weights folder for the torch runtime (text tasks), relative to the version folder.")
     precision: str = _spec(
         "fp32", "Compute precision: `fp16` for the torch runtime on CUDA (halves memory, uses tensor cores); "
-        "`int8` for ONNX Runtime on the CPU (task embedding): runs `int8_onnx_file`, a graph with 8-bit weights "
-        "(`coalesce export --int8`), and loads only if its vectors pass the accuracy guard against "
+        "`int8` for ONNX Runtime on the CPU (tasks embedding and similarity): runs `int8_onnx_file`, a graph with "
+        "8-bit weights (`coalesce export --int8`), and loads only if its vectors pass the accuracy guard against "
         "`onnx_file`. TensorRT engines carry their own. Part of the cache key.", choices=PRECISION_CHOICES)
     int8_onnx_file: str = _spec(
         "model.int8.onnx", "precision `int8`: the quantised ONNX graph, relative to the version folder.")
@@ -449,13 +454,17 @@ class ModelSettings:
         if self.task.task == "generate" and self.runtime.runtime not in ("auto", "torch"):
             raise SettingsError(f"{where}: parameter 'runtime' has bad value '{self.runtime.runtime}': task "
                                 "'generate' runs on the torch runtime (`auto` or `torch`)")
-        if self.runtime.precision == "int8" and (self.task.task != "embedding"
+        if self.runtime.precision == "int8" and (self.task.task not in INT8_TASKS
                                                  or self.runtime.runtime not in ("auto", "onnxruntime")):
             raise SettingsError(
-                f"{where}: parameter 'precision' has bad value 'int8': INT8 runs ONNX Runtime on the CPU for task "
-                f"'embedding' (its accuracy guard compares vectors); this model has task '{self.task.task}' and "
-                f"runtime '{self.runtime.runtime}'")
-        if self.task.task in ("embedding", "classify") and planner.max_batch_tokens < self.task.max_sequence_length:
+                f"{where}: parameter 'precision' has bad value 'int8': INT8 runs ONNX Runtime on the CPU for tasks "
+                f"{' and '.join(repr(t) for t in INT8_TASKS)} (its accuracy guard compares embeddings); this model "
+                f"has task '{self.task.task}' and runtime '{self.runtime.runtime}'")
+        if self.task.task == "similarity" and not self.embedding.normalize:
+            raise SettingsError(
+                f"{where}: parameter 'normalize' has bad value 'false': task 'similarity' scores the cosine of two "
+                "embeddings, which normalises them; leave 'normalize' out")
+        if self.task.task in TEXT_TASKS and planner.max_batch_tokens < self.task.max_sequence_length:
             raise SettingsError(
                 f"{where}: parameter 'max_batch_tokens' (value '{planner.max_batch_tokens}') is below "
                 f"'max_sequence_length' ({self.task.max_sequence_length}): a single long text could never be "
@@ -552,8 +561,9 @@ def _field(options: type, name: str) -> dataclasses.Field[Any]:
 def _check_task(where: str, key: str, raw: str, options: type, task: str) -> None:
     tasks = options.APPLIES_TO  # type: ignore[attr-defined]
     if tasks is not None and task not in tasks:
-        raise SettingsError(f"{where}: parameter '{key}' (value '{raw}') applies to task "
-                            f"{' and '.join(tasks)}, but this model's task is '{task}'")
+        names = f" {tasks[0]}" if len(tasks) == 1 else f"s {', '.join(tasks[:-1])} and {tasks[-1]}"
+        raise SettingsError(f"{where}: parameter '{key}' (value '{raw}') applies to task{names}, but this model's "
+                            f"task is '{task}'")
 
 
 def _number(where: str, key: str, raw: str) -> float:

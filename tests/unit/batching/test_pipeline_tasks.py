@@ -57,7 +57,7 @@ def test_classify_coalesced_equals_per_row(requests, max_rows, planner):
 def test_classify_scores_are_the_graphs_logits_through_the_activation():
     rows = [("what is batching", "Batching groups requests."), ("what is batching", "Bananas are yellow.")]
     raw, _ = classify_pipeline(activation="none")
-    sigmoid, _ = classify_pipeline()  # minilm_rerank's config: sigmoid
+    sigmoid, _ = classify_pipeline()  # minilm_cross_encoder's config: sigmoid
     logits = rerank(raw, rows)[0]["SCORES"]
     scores = rerank(sigmoid, rows)[0]["SCORES"]
     assert logits[0, 0] != logits[1, 0]

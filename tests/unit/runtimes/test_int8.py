@@ -46,9 +46,10 @@ def default_dynamic(tmp_path_factory):
     return folder
 
 
-def test_int8_is_for_embedding_on_onnx_runtime():
+def test_int8_is_for_embedding_and_similarity_on_onnx_runtime():
     with pytest.raises(SettingsError, match=r"'precision' has bad value 'int8'.*task 'classify'"):
-        ModelSettings.from_model_config(model_config("minilm_rerank", precision="int8"))
+        ModelSettings.from_model_config(model_config("minilm_cross_encoder", precision="int8"))
+    assert ModelSettings.from_model_config(model_config("minilm_rerank")).runtime.precision == "int8"
     with pytest.raises(SettingsError, match=r"'precision' has bad value 'int8'.*runtime 'torch'"):
         ModelSettings.from_model_config(model_config("minilm", precision="int8", runtime="torch"))
     with pytest.raises(SettingsError, match=r"'int8_onnx_file'.*relative"):
@@ -131,5 +132,5 @@ def test_export_makes_the_int8_graph_once_and_refuses_what_cannot_pass(tmp_path)
     load_pipeline(model_config("minilm", cost_model=FIXED_COST), version)  # and it passes the load's guard
     with pytest.raises(SystemExit, match=r"no INT8 graph reached mean cosine >= 0\.99 and minimum >= 0\.99999"):
         quantize_int8(version, model_config("minilm", int8_min_cosine="0.99999"), log=lines.append)
-    with pytest.raises(SystemExit, match="task 'classify'; INT8 is for task embedding"):
-        quantize_int8(version, model_config("minilm_rerank"), log=lines.append)
+    with pytest.raises(SystemExit, match="task 'classify'; INT8 is for tasks embedding and similarity"):
+        quantize_int8(version, model_config("minilm_cross_encoder"), log=lines.append)

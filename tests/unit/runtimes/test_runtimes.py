@@ -265,7 +265,7 @@ def test_torch_runtime_on_cpu_matches_onnxruntime(version_dir):
 def test_torch_sequence_classification_head_matches_the_exported_logits():
     from coalesce.runtimes.torch_runtime import TorchRuntime
 
-    version = built("minilm_rerank")
+    version = built("minilm_cross_encoder")
     torch_rt = TorchRuntime(version / "hf", head="sequence-classification", device="cpu")
     onnx_rt = OnnxRuntime(version / "model.onnx")
     assert torch_rt.graph.output("logits").shape == (None, 1)
@@ -276,7 +276,7 @@ def test_torch_sequence_classification_head_matches_the_exported_logits():
                                atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["minilm", "minilm_rerank"])
+@pytest.mark.parametrize("name", ["minilm", "minilm_cross_encoder", "minilm_rerank"])
 def test_an_explicit_torch_runtime_serves_the_same_outputs(name):
     from coalesce.loader import load_pipeline
 
@@ -285,7 +285,7 @@ def test_an_explicit_torch_runtime_serves_the_same_outputs(name):
                              built(name))
 
     request = {"TEXT": texts("torch and onnx agree", "a second, longer sentence about dynamic batching")}
-    if name == "minilm_rerank":
+    if name != "minilm":
         request["TEXT_PAIR"] = texts("a document", "another document")
     torch_pipe, onnx_pipe = pipeline("torch"), pipeline("onnxruntime")
     assert torch_pipe.runtime.name == "torch" and onnx_pipe.runtime.name == "onnxruntime"

@@ -40,11 +40,11 @@ def test_softmax_is_over_the_labels_and_stable_for_large_logits():
 
 
 def task_of(config):
-    return create_task(ModelSettings.from_model_config(config), config, built("minilm_rerank"))
+    return create_task(ModelSettings.from_model_config(config), config, built("minilm_cross_encoder"))
 
 
-def test_the_example_reranker_takes_pairs_and_gives_one_sigmoid_score():
-    task = task_of(model_config("minilm_rerank"))
+def test_the_test_cross_encoder_takes_pairs_and_gives_one_sigmoid_score():
+    task = task_of(model_config("minilm_cross_encoder"))
     assert isinstance(task, ClassifyTask)
     assert task.pairs and task.activation == "sigmoid" and task.width == 1
     assert [(t.name, t.optional) for t in task.inputs] == [("TEXT", False), ("TEXT_PAIR", False)]
@@ -53,7 +53,7 @@ def test_the_example_reranker_takes_pairs_and_gives_one_sigmoid_score():
 
 
 def test_a_classifier_of_single_texts_and_several_labels():
-    config = copy.deepcopy(model_config("minilm_rerank", activation="softmax"))
+    config = copy.deepcopy(model_config("minilm_cross_encoder", activation="softmax"))
     config["input"] = config["input"][:1]
     config["output"][0]["dims"] = ["3"]
     task = task_of(config)
@@ -62,18 +62,18 @@ def test_a_classifier_of_single_texts_and_several_labels():
 
 
 def test_text_pair_may_be_declared_optional():
-    config = copy.deepcopy(model_config("minilm_rerank"))
+    config = copy.deepcopy(model_config("minilm_cross_encoder"))
     config["input"][1]["optional"] = True
     task = task_of(config)
     assert [(t.name, t.optional) for t in task.inputs] == [("TEXT", False), ("TEXT_PAIR", True)]
 
 
 @pytest.mark.parametrize(("dims", "graph_labels", "message"), [
-    (["2"], 1, "model 'minilm_rerank': output SCORES has dims [2] but the graph produces width 1"),
-    (["1"], 3, "model 'minilm_rerank': output SCORES has dims [1] but the graph produces width 3"),
+    (["2"], 1, "model 'minilm_cross_encoder': output SCORES has dims [2] but the graph produces width 1"),
+    (["1"], 3, "model 'minilm_cross_encoder': output SCORES has dims [1] but the graph produces width 3"),
 ])
 def test_scores_must_have_the_graphs_number_of_labels(dims, graph_labels, message):
-    config = copy.deepcopy(model_config("minilm_rerank"))
+    config = copy.deepcopy(model_config("minilm_cross_encoder"))
     config["output"][0]["dims"] = dims
     task = task_of(config)
     with pytest.raises(ConfigError) as info:
@@ -82,7 +82,7 @@ def test_scores_must_have_the_graphs_number_of_labels(dims, graph_labels, messag
 
 
 def test_logits_of_another_rank_or_name_are_refused():
-    task = task_of(model_config("minilm_rerank"))
+    task = task_of(model_config("minilm_cross_encoder"))
     with pytest.raises(ConfigError, match=r"graph output 'logits' has shape \[None, None, 1\], expected 2 dims"):
         task.bind(text_graph("logits", (None, None, 1)))
     with pytest.raises(ConfigError, match=r"the graph has no output 'logits' \(outputs: \['last_hidden_state'\]\)"):
@@ -90,20 +90,20 @@ def test_logits_of_another_rank_or_name_are_refused():
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
-    (lambda c: c["output"][0].update(name="LOGITS"), "model 'minilm_rerank': expected outputs ['SCORES'], found "
-                                                     "['LOGITS']"),
+    (lambda c: c["output"][0].update(name="LOGITS"),
+     "model 'minilm_cross_encoder': expected outputs ['SCORES'], found ['LOGITS']"),
     (lambda c: c["input"][1].update(name="DOCUMENT"),
-     "model 'minilm_rerank': task 'classify' takes input 'TEXT' and optionally 'TEXT_PAIR', found "
+     "model 'minilm_cross_encoder': task 'classify' takes input 'TEXT' and optionally 'TEXT_PAIR', found "
      "['DOCUMENT', 'TEXT']"),
     (lambda c: c["input"][1].update(dims=["2"]),
-     "model 'minilm_rerank': input 'TEXT_PAIR' has data_type 'TYPE_STRING' and dims [2], expected 'TYPE_STRING' "
-     "and [1]"),
+     "model 'minilm_cross_encoder': input 'TEXT_PAIR' has data_type 'TYPE_STRING' and dims [2], expected "
+     "'TYPE_STRING' and [1]"),
     (lambda c: c["input"][1].update(data_type="TYPE_FP32"),
-     "model 'minilm_rerank': input 'TEXT_PAIR' has data_type 'TYPE_FP32' and dims [1], expected 'TYPE_STRING' "
-     "and [1]"),
+     "model 'minilm_cross_encoder': input 'TEXT_PAIR' has data_type 'TYPE_FP32' and dims [1], expected "
+     "'TYPE_STRING' and [1]"),
 ], ids=["output_name", "pair_name", "pair_dims", "pair_type"])
 def test_the_config_must_declare_the_classify_contract(mutate, message):
-    config = copy.deepcopy(model_config("minilm_rerank"))
+    config = copy.deepcopy(model_config("minilm_cross_encoder"))
     mutate(config)
     with pytest.raises(ConfigError) as info:
         task_of(config)

@@ -158,8 +158,8 @@ def test_a_model_of_fixed_shape_has_rows_of_length_one():
      "model 'ragged': input 'scale' is optional, but only the input named by 'mask_input' may be left out of a "
      "request (the backend fills it)"),
     ({}, lambda c: c["output"][0].update(data_type="TYPE_STRING"),
-     "model 'ragged': tensor 'y' is TYPE_STRING; task 'tensor' takes numeric tensors (texts: tasks 'embedding' and "
-     "'classify')"),
+     "model 'ragged': tensor 'y' is TYPE_STRING; task 'tensor' takes numeric tensors (texts: tasks 'embedding', "
+     "'classify' and 'similarity')"),
     ({}, lambda c: c.pop("output"), "model 'ragged': task 'tensor' needs the config to declare its inputs and outputs"),
 ], ids=["pad_unknown", "pad_fixed", "pad_mask", "mask_fixed", "mask_unknown", "optional", "string", "undeclared"])
 def test_config_errors_name_the_model_the_parameter_and_the_tensor(parameters, change, message):

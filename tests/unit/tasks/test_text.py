@@ -30,7 +30,7 @@ def embedding():
 
 @pytest.fixture(scope="module")
 def classify():
-    return task_of(model_config("minilm_rerank"), "minilm_rerank")
+    return task_of(model_config("minilm_cross_encoder"), "minilm_cross_encoder")
 
 
 # -- reading --------------------------------------------------------------------------------------------------
@@ -181,12 +181,12 @@ def test_the_config_must_declare_the_task_contract(mutate, message):
     assert str(info.value).startswith(message)
 
 
-def test_text_pair_is_only_for_classify():
-    rerank_inputs = model_config("minilm_rerank")["input"]
+def test_text_pair_is_only_for_tasks_of_pairs():
+    rerank_inputs = model_config("minilm_cross_encoder")["input"]
     embedding_with_pairs = {**model_config("minilm"), "input": rerank_inputs}
     with pytest.raises(ConfigError, match=r"^model 'minilm': task 'embedding' takes no 'TEXT_PAIR' input$"):
         task_of(embedding_with_pairs)
-    assert task_of(model_config("minilm_rerank"), "minilm_rerank").pairs
+    assert task_of(model_config("minilm_cross_encoder"), "minilm_cross_encoder").pairs
 
 
 # -- the graph --------------------------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def test_fingerprint_covers_the_tokenizer_and_the_output_settings():
     assert base["task"] == "embedding" and len(base["tokenizer_sha256"]) == 64
     assert base["max_sequence_length"] == 256 and (base["pooling"], base["normalize"]) == ("mean", True)
     assert task_of(model_config("minilm", pooling="cls")).fingerprint()["pooling"] == "cls"
-    rerank = task_of(model_config("minilm_rerank"), "minilm_rerank").fingerprint()
+    rerank = task_of(model_config("minilm_cross_encoder"), "minilm_cross_encoder").fingerprint()
     assert rerank["task"] == "classify" and rerank["activation"] == "sigmoid"
 
 

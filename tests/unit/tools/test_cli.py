@@ -31,9 +31,9 @@ def test_settings_lists_every_parameter_of_every_component_with_its_default(caps
             parameters = {"task": task, field.name: default} if field.name != "task" else {field.name: default}
             parsed = ModelSettings.from_parameters(parameters, model_name="m")
             assert getattr(getattr(parsed, attr), field.name) == field.default, field.name
-    assert listed["normalize"][1:4] == ["true", "embedding", "embedding"]
-    assert listed["max_text_bytes"][3] == "embedding, classify"
-    assert listed["max_batch_rows"][1:4] == ["64", "planner", "embedding, classify, tensor"]
+    assert listed["normalize"][1:4] == ["true", "embedding", "embedding, similarity"]
+    assert listed["max_text_bytes"][3] == "embedding, classify, similarity"
+    assert listed["max_batch_rows"][1:4] == ["64", "planner", "embedding, classify, similarity, tensor"]
     assert listed["kv_cache_bytes"][2:4] == ["generate", "generate"]
     assert listed["pad_value:<input>"][1:4] == ["0", "tensor", "tensor"]
     # pad_value:<input> sits with the tensor task's options, after mask_input.
@@ -48,7 +48,7 @@ def test_settings_as_markdown_is_the_configuration_reference(capsys):
     assert lines[:2] == ["| parameter | default | component | tasks | meaning |", "| --- | --- | --- | --- | --- |"]
     assert len(lines) == 2 + len(settings_rows())
     assert "| `pad_value:<input>` | `0` | tensor | tensor |" in out
-    assert "| `redis_url` | (empty) | cache | embedding, classify, tensor |" in out
+    assert "| `redis_url` | (empty) | cache | embedding, classify, similarity, tensor |" in out
     # backends/coalesce/README.md carries the same table: regenerate it when a parameter changes.
     assert out in (ROOT / "backends" / "coalesce" / "README.md").read_text()
 

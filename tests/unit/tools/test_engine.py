@@ -21,6 +21,9 @@ def test_limits_from_the_shipped_configs():
         "max_sequence_length"] == 512
     assert read_config_limits(read_model_config(REPOSITORY / "digits" / "config.pbtxt")) == {
         "max_batch_size": 256, "preferred_batch_sizes": [], "max_batch_rows": 64, "max_sequence_length": 1}
+    # A similarity model's row is two texts: the engine takes twice its rows (a pass of 32 pairs is 64 sequences).
+    assert read_config_limits(read_model_config(REPOSITORY / "minilm_rerank" / "config.pbtxt")) == {
+        "max_batch_size": 128, "preferred_batch_sizes": [], "max_batch_rows": 64, "max_sequence_length": 256}
 
 
 def test_profiles_follow_the_config():

@@ -195,3 +195,7 @@ def test_the_converted_smollm2_folder_is_a_hugging_face_causal_lm_with_a_chat_te
     stamp = json.loads((built("smollm2") / "export.json").read_text())
     assert stamp["recipe"] == "smollm2-gguf" and stamp["parameters"] == 134_515_008 and stamp["chat_template"]
 
+
+def test_a_similarity_model_needs_its_graph_and_tokenizer(tmp_path):
+    config = {"parameters": {"task": {"string_value": "similarity"}, "precision": {"string_value": "int8"}}}
+    assert missing_files(config, tmp_path) == ["model.onnx", "model.int8.onnx", "tokenizer.json"]

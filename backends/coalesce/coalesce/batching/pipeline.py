@@ -123,8 +123,11 @@ class Pipeline:
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
         self.logger = logger or Logger(model_name)
-        # A runtime with fixed shape ranges (TensorRT profiles) bounds the passes the planner may cut.
+        # A runtime with fixed shape ranges (TensorRT profiles) bounds the passes the planner may cut; its rows
+        # are graph rows, of which a task's row may take several (similarity: two texts).
         runtime_rows = getattr(runtime, "max_rows", None)
+        if runtime_rows is not None:
+            runtime_rows = max(1, runtime_rows // task.graph_rows_per_row)
         runtime_length = getattr(runtime, "max_length", None)
         if runtime_length is not None and task.max_length > runtime_length:
             raise ConfigError(

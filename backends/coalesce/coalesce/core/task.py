@@ -61,10 +61,14 @@ class Task(abc.ABC):
             back to it after each pass.
         graph_outputs: The runtime outputs each pass asks for.
         max_length: Longest row, in positions (1 for models of fixed shape).
+        graph_rows_per_row: Rows of the runtime's feeds (dim 0) one row of the task takes: 1, or 2
+            where a row is two texts encoded apart (``similarity``). Row limits of the runtime (a
+            TensorRT profile's) are divided by it; calibration feeds passes of as many graph rows.
     """
 
     name: ClassVar[str]
     torch_head: ClassVar[str | None] = None
+    graph_rows_per_row: ClassVar[int] = 1
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
@@ -128,6 +132,17 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def fingerprint(self) -> dict[str, Any]:
         """Everything of the task that decides its outputs (settings, digests of its files), for cache keys."""
+
+    def guarded_task(self) -> Task:
+        """The task whose one output the INT8 accuracy guard compares between graphs, on single texts.
+
+        The task itself by default; a task whose rows are not single texts gives the one its
+        vectors come from (``similarity``: the embedding of each text).
+
+        Raises:
+            ConfigError: If the task cannot give one (it was not bound to a graph it can read).
+        """
+        return self
 
     def unit_norm_outputs(self) -> frozenset[str]:
         """The outputs the task L2-normalises: each vector along their last axis has norm 1.

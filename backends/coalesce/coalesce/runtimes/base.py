@@ -90,7 +90,7 @@ def create_runtime(settings: ModelSettings, task: Task, version_dir: Path, *, in
         device = f"cuda:{device_id}" if choice.device == "cuda" else "cpu"
         if options.cuda_graphs and choice.device != "cuda":
             raise ConfigError(f"model '{settings.model_name}': cuda_graphs needs torch on CUDA; {choice.reason}")
-        rows = settings.planner.max_batch_rows
+        rows = settings.planner.max_batch_rows * task.graph_rows_per_row  # graph rows: a pair feeds two texts
         buckets = (buckets_from(rows=sorted({1, 8, min(32, rows), rows}),
                                 lengths=sorted({min(n, task.max_length) for n in (32, 64, 128, task.max_length)}))
                    if options.cuda_graphs else ())

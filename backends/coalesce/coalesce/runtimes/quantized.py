@@ -83,7 +83,12 @@ def embed(task: Task, run: RunPass, texts: Sequence[str], *, pass_rows: int) -> 
 
 def agreement(task: Task, reference: RunPass, candidate: RunPass,
               texts: Sequence[str] = GUARD_TEXTS) -> Agreement:
-    """The candidate's cosine to the reference on ``texts``: batched and one at a time, the worst of both."""
+    """The candidate's cosine to the reference on ``texts``: batched and one at a time, the worst of both.
+
+    The vectors compared are those of ``task.guarded_task()`` (the task's own, or for a task of
+    text pairs the embedding of each text).
+    """
+    task = task.guarded_task()
     want = _unit(embed(task, reference, texts, pass_rows=GUARD_PASS_ROWS))
     batched = (_unit(embed(task, candidate, texts, pass_rows=GUARD_PASS_ROWS)) * want).sum(axis=1)
     alone = (_unit(embed(task, candidate, texts, pass_rows=1)) * want).sum(axis=1)

@@ -11,10 +11,11 @@ from coalesce.core.task import Task
 from coalesce.settings import ModelSettings
 from coalesce.tasks.classify.task import ClassifyTask
 from coalesce.tasks.embedding.task import EmbeddingTask
+from coalesce.tasks.similarity.task import SimilarityTask
 from coalesce.tasks.tensor.task import TensorTask
 
 #: Every task by its name (parameter ``task``).
-TASK_TYPES: dict[str, type[Task]] = {t.name: t for t in (EmbeddingTask, ClassifyTask, TensorTask)}
+TASK_TYPES: dict[str, type[Task]] = {t.name: t for t in (EmbeddingTask, ClassifyTask, SimilarityTask, TensorTask)}
 
 
 def task_type(settings: ModelSettings) -> type[Task]:

@@ -63,7 +63,7 @@ class TensorTask(Task):
         for spec in (*self.inputs, *self.outputs):
             if spec.data_type == "TYPE_STRING":
                 raise ConfigError(f"{where}: tensor '{spec.name}' is TYPE_STRING; task 'tensor' takes numeric "
-                                  "tensors (texts: tasks 'embedding' and 'classify')")
+                                  "tensors (texts: tasks 'embedding', 'classify' and 'similarity')")
         options = settings.tensor
         names = {spec.name for spec in self.inputs}
         variable = {spec.name for spec in self.inputs if spec.variable_axes}

@@ -18,11 +18,11 @@ import numpy as np
 
 from coalesce.cache.keys import file_digest
 from coalesce.core.errors import ConfigError, InvalidInputError, RuntimeFailure
-from coalesce.core.task import Pass, Row, Task, version_file
+from coalesce.core.task import Pass, Prepared, Row, Task, version_file
 from coalesce.core.tensors import GraphIO, TensorSpec, check_declared, config_tensors
 from coalesce.settings import ModelSettings
 from coalesce.tasks.text.reading import read_texts
-from coalesce.tasks.text.tokenizer import INPUT_IDS, TEXT_GRAPH_INPUTS, EncodedRows, TextTokenizer
+from coalesce.tasks.text.tokenizer import INPUT_IDS, TEXT_GRAPH_INPUTS, TextTokenizer
 
 #: The text tasks' inputs: UTF-8 texts, ``TYPE_STRING``, dims ``[1]`` (a request of N rows is ``[N, 1]``).
 INPUT_TEXT: Final = "TEXT"
@@ -123,8 +123,8 @@ class TextTask(Task):
         """Token count of each row after truncation."""
         return self.tokenizer.lengths(*self._columns(rows))
 
-    def prepare(self, rows: Sequence[Row]) -> EncodedRows:
-        """Tokenise every row in one batched call."""
+    def prepare(self, rows: Sequence[Row]) -> Prepared:
+        """Tokenise every row in one batched call (``EncodedRows``: a task of pairs encoded apart has its own)."""
         return self.tokenizer.encode(*self._columns(rows))
 
     def assemble(self, prepared: Any, indices: np.ndarray, padded_length: int) -> dict[str, np.ndarray]:

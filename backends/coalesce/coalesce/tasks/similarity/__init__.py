@@ -1,0 +1,1 @@
+"""The ``similarity`` task: text pairs to the cosine of their two embeddings (a bi-encoder scorer)."""
