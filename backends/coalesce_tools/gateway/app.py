@@ -181,9 +181,9 @@ class Gateway:
                        code="model_not_found")
 
     async def _health(self, request: Request, request_id: str) -> Response:
-        if await self.triton.ready():
+        if await self.triton.live():
             return json_response({"status": "ok"})
-        raise ApiError(503, f"Triton at {self.options.triton_grpc_url} is not ready")
+        raise ApiError(503, f"Triton at {self.options.triton_grpc_url} does not answer")
 
     async def _metrics(self, request: Request, request_id: str) -> Response:
         return Response(self.metrics.page(), media_type="text/plain; version=0.0.4; charset=utf-8")

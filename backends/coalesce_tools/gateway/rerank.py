@@ -51,7 +51,12 @@ def _documents(value: Any) -> list[str]:
 
 
 def _usage(gateway: Gateway, model: ModelEntry, firsts: list[str], seconds: list[str]) -> int:
-    tokens = int(model.text_tokenizer.lengths(firsts, seconds).sum())
+    tokenizer = model.text_tokenizer
+    if model.settings.task.task == "similarity":
+        # A bi-encoder reads each text alone, with its own special tokens.
+        tokens = int(tokenizer.lengths(firsts).sum() + tokenizer.lengths(seconds).sum())
+    else:
+        tokens = int(tokenizer.lengths(firsts, seconds).sum())
     gateway.metrics.rows.labels(model.name).inc(len(firsts))
     gateway.metrics.tokens.labels(model.name, "prompt").inc(tokens)
     return tokens

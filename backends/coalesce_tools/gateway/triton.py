@@ -44,12 +44,16 @@ class Triton:
         await self.client.close()
         await self._channel.close()
 
-    async def ready(self) -> bool:
-        """Whether Triton answers ready."""
+    async def live(self) -> bool:
+        """Whether Triton answers live.
+
+        Not its readiness: under strict readiness one model that failed to load makes the whole
+        server "not ready" while every other model serves, and the gateway serves those.
+        """
         from tritonclient.utils import InferenceServerException
 
         try:
-            return bool(await self.client.is_server_ready(client_timeout=2.0))
+            return bool(await self.client.is_server_live(client_timeout=2.0))
         except InferenceServerException:
             return False
 
