@@ -88,7 +88,7 @@ fi
 
 # 2b. (--dev) Python 3.10, the oldest the project supports and the one of the Triton 24.10 container
 # the Dockerfile builds on: an environment with the backend's serving dependencies (pyproject's own and
-# its client and redis extras; no torch: PyPI's is a CUDA build of GBs), in which
+# its client, redis and gateway extras, as the Dockerfile installs; no torch: PyPI's is a CUDA build of GBs), in which
 # tests/integration/test_install.py serves the installed wheel. The newest releases in pyproject's
 # ranges that support 3.10, not the 3.11 pins. Skipped where no python3.10 with a shared libpython is
 # found (that test then skips); redone when those requirements change. Not when .venv is 3.10 itself.
@@ -97,7 +97,7 @@ if [[ " ${EXTRAS[*]} " == *" dev "* ]] && [ "$pyver" != "3.10" ]; then
   py310_reqs=$($VENV/bin/python - <<'PY'
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join([*project["dependencies"], *(r for extra in ("client", "redis") for r in project["optional-dependencies"][extra])]))
+print("\n".join([*project["dependencies"], *(r for extra in ("client", "redis", "gateway") for r in project["optional-dependencies"][extra])]))
 PY
 )
   py310_want=$(printf '%s\n' "$py310_reqs" | sha256sum | cut -d' ' -f1)

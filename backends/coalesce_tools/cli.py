@@ -77,17 +77,11 @@ def _run(server: TritonServer, options: ServerOptions, redis_servers: list[Redis
     if gateway_options is not None:
         import dataclasses
 
+        from coalesce_tools.gateway.server import GatewayProcess
         from coalesce_tools.launcher import ADMIN_HEADER
 
-        gateway_options = dataclasses.replace(gateway_options, triton_admin_key=server.admin_headers.get(ADMIN_HEADER))
-        from coalesce_tools.gateway.server import GatewayProcess
-
-        try:
-            gateway = GatewayProcess(gateway_options, echo=sys.stderr).start()
-        except RuntimeError as exc:
-            sys.stderr.write(f"coalesce serve: {exc}; stopping Triton\n")
-            server.stop()
-            return 1
+        gateway = GatewayProcess(dataclasses.replace(
+            gateway_options, triton_admin_key=server.admin_headers.get(ADMIN_HEADER)), echo=sys.stderr)
 
     stopping = threading.Event()
 
@@ -103,8 +97,20 @@ def _run(server: TritonServer, options: ServerOptions, redis_servers: list[Redis
             gateway.stop()
         threading.Thread(target=server.stop, name="coalesce-shutdown", daemon=True).start()
 
+    # The handlers go in before the gateway starts: a signal while it starts (Triton already answers)
+    # must drain and stop everything, not kill this process and leave Triton to its parent-death signal.
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
+    if gateway is not None:
+        try:
+            gateway.start()
+        except RuntimeError as exc:
+            if not stopping.is_set():
+                sys.stderr.write(f"coalesce serve: {exc}; stopping Triton\n")
+                stopping.set()
+                gateway.stop()
+                server.stop()
+                return 1
     http, grpc = server.http_url, server.grpc_url
     models = _models(options.model_repository)
     listing = "".join(f"  {name:<16} task {task}\n" for name, task in models)

@@ -137,8 +137,9 @@ def _target(name: str) -> Target:
     python = PY310_ENV / "bin" / "python"
     if not (PY310_ENV / ".coalesce-stamp").is_file():
         pytest.skip(f"no {PY310_ENV}: `make setup-dev` makes it where a python3.10 with a shared libpython exists")
-    # The container's install is .[client,redis,gpu]; the gpu extra (onnxruntime-gpu, tensorrt, torch) needs a GPU.
-    return Target(interpreter=python, dependencies=_site_packages(python), extras=("client", "redis"),
+    # The container's install is .[client,redis,gateway,gpu]; the gpu extra (onnxruntime-gpu, tensorrt, torch) needs
+    # a GPU.
+    return Target(interpreter=python, dependencies=_site_packages(python), extras=("client", "redis", "gateway"),
                   models=EXAMPLE_MODELS, may_lack=frozenset({"torch", "pyarrow"}))
 
 

@@ -115,8 +115,10 @@ class GatewayProcess:
         """Start the child and wait until ``/health`` answers (Triton ready behind it).
 
         Raises:
-            RuntimeError: If it exits or does not answer within the timeout.
+            RuntimeError: If it exits, does not answer within the timeout, or ``stop`` came first.
         """
+        if self._stopping.is_set():
+            raise RuntimeError("the gateway was stopped before it started")
         self._spawn()
         self._wait_ready()
         self._watcher = threading.Thread(target=self._watch, name="coalesce-gateway-watch", daemon=True)
@@ -127,6 +129,8 @@ class GatewayProcess:
         deadline = time.monotonic() + self._ready_timeout_s
         while time.monotonic() < deadline:
             assert self._process is not None
+            if self._stopping.is_set():
+                raise RuntimeError("the gateway was stopped while it started")
             if self._process.poll() is not None:
                 raise RuntimeError(f"the gateway exited with code {self._process.returncode} while starting "
                                    f"(command: {' '.join(self.command())})")
