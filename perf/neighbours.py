@@ -12,12 +12,18 @@ Capacity is the noisy model's closed-loop throughput, measured once at the start
 ``shared`` variant. Reported per variant: the light models' p50/p99 alone and beside the
 noise, their ratio, and what isolation costs the noisy model (answers per second).
 
-Variants (every model's config is the example's with ONNX Runtime on every core, spinning, then):
-- ``shared``: no isolation; each model's ONNX Runtime uses every core whenever Triton hands it a batch.
-- ``rate_limiter``: Triton's rate limiter (``--rate-limit=execution_count``): every instance needs the
-  one global resource ``cores``, so one model computes at a time and the next waits its turn.
-- ``no_spin``: each model's ONNX Runtime keeps every core but its threads do not spin-wait for work.
-- ``one_core_each``: each model's ONNX Runtime runs one thread that does not spin-wait.
+Variants (every model's config as shipped, then):
+- ``shipped``: unchanged: one ONNX Runtime thread per model, and every core for a model's pass while no
+  other model computes (``share_idle_cores``, the borrowed threads at idle priority).
+- ``borrow_normal``: the same with the borrowed threads at normal priority (``borrowed_thread_priority normal``).
+- ``one_core_each``: a fixed split: one thread per model, never more (``share_idle_cores false``).
+- ``shared``: no isolation; each model's ONNX Runtime uses every core (spinning) whenever Triton hands it a batch.
+- ``no_spin``: every core, but its threads do not spin-wait for work.
+- ``rate_limiter``: every core, under Triton's rate limiter (``--rate-limit=execution_count``): every instance
+  needs the one global resource ``cores``, so one model computes at a time and the next waits its turn.
+
+Targets (issue "cores shared, not split"): under ``shipped``, each light model's p99 beside the noise
+<= 1.3x alone, and the noisy model >= 0.95x its answers/s under ``one_core_each`` (same round).
 
 Raw per-request outcomes go to ``perf/results/raw/<run>/`` (not committed); the summary
 (``.json``, ``.md``, ``.png``) to ``perf/results/``.
@@ -47,42 +53,45 @@ from coalesce_tools.launcher import ServerOptions, TritonServer
 from perf import workloads
 from perf.outcomes import percentile
 from perf.report import write_summary
-from perf.repository import SINGLE_MODEL_THREADS, with_parameters
+from perf.repository import SINGLE_MODEL_THREADS, example_repository, with_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "model_repository"
 RESULTS = ROOT / "perf" / "results"
-VARIANTS: Final = ("shared", "no_spin", "one_core_each", "rate_limiter")
+VARIANTS: Final = ("shipped", "borrow_normal", "one_core_each", "shared", "no_spin", "rate_limiter")
+#: The variants a default run measures (the others were measured before: perf/results/neighbours-20261205.md).
+DEFAULT_VARIANTS: Final = ("shipped", "borrow_normal", "one_core_each")
+#: Targets of the shipped variant: light p99 beside the noise over alone, noisy answers/s over the fixed split's.
+MAX_LIGHT_P99_RATIO: Final = 1.3
+MIN_NOISY_VS_SPLIT: Final = 0.95
 #: The resource every instance needs under the ``rate_limiter`` variant (and the shipped example configs).
 RATE_LIMITER: Final = 'rate_limiter { resources [ { name: "cores", global: true, count: 1 } ] }'
 _INSTANCE_GROUP: Final = re.compile(r"instance_group\s*\[\s*\{([^}]*)\}\s*\]")
 
 
 def variant_config(config: str, variant: str) -> str:
-    """One model's config under ``variant``, starting from every core with spinning (the ``shared`` variant)."""
+    """One model's config under ``variant`` (see the module's docstring)."""
+    if variant == "shipped":
+        return config
+    if variant == "borrow_normal":
+        return with_parameters(config, {"borrowed_thread_priority": "normal"})
+    if variant == "one_core_each":
+        return with_parameters(config, {"intra_op_threads": "1", "thread_spinning": "false",
+                                        "share_idle_cores": "false"})
     config = with_parameters(config, SINGLE_MODEL_THREADS)
     if variant == "rate_limiter":
         if _INSTANCE_GROUP.search(config):
             return _INSTANCE_GROUP.sub(lambda m: f"instance_group [ {{{m.group(1).rstrip()}, {RATE_LIMITER} }} ]",
                                        config, count=1)
         return config + f"\ninstance_group [ {{ count: 1, kind: KIND_CPU, {RATE_LIMITER} }} ]\n"
-    if variant == "one_core_each":
-        return with_parameters(config, {"intra_op_threads": "1", "thread_spinning": "false"})
     if variant == "no_spin":
-        return with_parameters(config, {"intra_op_threads": "0", "thread_spinning": "false"})
+        return with_parameters(config, {"thread_spinning": "false"})
     return config
 
 
 def build_repository(dest: Path, variant: str) -> Path:
     """Every example model under ``variant``: configs written, build outputs linked."""
-    for model_dir in sorted(p for p in EXAMPLES.iterdir() if (p / "config.pbtxt").is_file()):
-        target = dest / model_dir.name / "1"
-        target.mkdir(parents=True)
-        (dest / model_dir.name / "config.pbtxt").write_text(variant_config((model_dir / "config.pbtxt").read_text(),
-                                                                           variant))
-        for item in (model_dir / "1").iterdir():
-            (target / item.name).symlink_to(item.resolve())
-    return dest
+    return example_repository(dest, lambda _name, config: variant_config(config, variant))
 
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -309,6 +318,29 @@ def table(run: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def targets(run: dict[str, Any]) -> list[str]:
+    """The ``shipped`` variant against its targets: light p99 ratios, and the noisy model against the fixed split."""
+    if "shipped" not in run["variants"]:
+        return []
+    lines = ["", "Targets of `shipped`:", ""]
+    for r in run["table"]:
+        if r["variant"] == "shipped":
+            met = "met" if r["p99_ratio"] <= MAX_LIGHT_P99_RATIO else "missed"
+            lines.append(f"- `{r['model']}` p99 beside the noise / alone: {r['p99_ratio']:.2f} (target <= "
+                         f"{MAX_LIGHT_P99_RATIO}: {met})")
+    if "one_core_each" in run["variants"]:
+        by_round = {(r["round"], r["variant"]): r["together"][run["noisy"]]["answers_per_s"] for r in run["rounds"]}
+        ratios = [by_round[k, "shipped"] / by_round[k, "one_core_each"]
+                  for k in {r["round"] for r in run["rounds"]} if (k, "one_core_each") in by_round
+                  and (k, "shipped") in by_round and by_round[k, "one_core_each"] > 0]
+        if ratios:
+            ratio = statistics.median(ratios)
+            met = "met" if ratio >= MIN_NOISY_VS_SPLIT else "missed"
+            lines.append(f"- `{run['noisy']}` answers/s under `shipped` / `one_core_each` (median of same-round "
+                         f"ratios): {ratio:.2f} (target >= {MIN_NOISY_VS_SPLIT}: {met})")
+    return lines
+
+
 def markdown(run: dict[str, Any]) -> str:
     """The report."""
     lines = [f"# Noisy neighbours: {run['run']}", "",
@@ -321,8 +353,8 @@ def markdown(run: dict[str, Any]) -> str:
              f"each (Poisson, one row per request), {run['duration_s']:g} s per phase, {run['rounds_count']} "
              "rounds, variants interleaved (a fresh server each)",
              "- every example model is loaded in every server, its shipped config (precision, row cache, queue "
-             "delay) changed only by the variant's threads; no server is sent the same request twice, so no row "
-             "cache answers one; medians over rounds, ratios within a round", "",
+             "delay) changed only by the variant's thread settings; no server is sent the same request twice, so no "
+             "row cache answers one; medians over rounds, ratios within a round", "",
              "| variant | light model | alone p50 ms | alone p99 ms | beside noise p50 ms | beside noise p99 ms "
              "| p99 ratio | light errors | noisy answers/s | noisy p99 ms | noisy not sent |",
              "|" + " --- |" * 11]
@@ -331,6 +363,7 @@ def markdown(run: dict[str, Any]) -> str:
                      f"{r['noisy_p50_ms']:.1f} | {r['noisy_p99_ms']:.1f} | {r['p99_ratio']:.2f} | "
                      f"{r['light_errors']} | {r['noisy_answers_per_s']:.1f} | {r['noisy_model_p99_ms']:.0f} | "
                      f"{r['noisy_not_sent']} |")
+    lines += targets(run)
     lines += ["", "Per round (light p99 beside the noise, ms):", ""]
     for r in run["rounds"]:
         lines.append(f"- round {r['round']} `{r['variant']}`: " + ", ".join(
@@ -375,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--noisy", default="minilm_rerank")
     parser.add_argument("--light", default="minilm,digits", help="comma-separated light models")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"any of {', '.join(VARIANTS)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration-s", type=float, default=20.0, help="seconds of each phase")
     parser.add_argument("--light-rate", type=float, default=10.0, help="requests/s to each light model")

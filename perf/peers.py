@@ -7,6 +7,8 @@ driven by one closed-loop HTTP load generator (``perf.closed_loop``), one text p
 - ``coalesce``: the shipped ``model_repository/minilm`` config on every core, in tritonserver;
   ``coalesce-fp32``: the same with ``precision fp32``; ``naive`` and ``pytriton``: the
   Triton-protocol baselines of ``perf/baselines``. KServe v2 JSON.
+- ``coalesce-shipped`` (``-fp32``): the example repository as shipped, every model loaded, in
+  a tritonserver of its own; the load goes to ``minilm`` (row cache off).
 - ``infinity-torch``, ``infinity-optimum``, ``infinity-optimum-int8``: Infinity's torch and
   ONNX Runtime engines, batch size 32; OpenAI-style ``/embeddings``.
 - ``rayserve``: a Ray Serve deployment with ``@serve.batch(max_batch_size=32)`` over the
@@ -113,7 +115,9 @@ def start_all(stack: ExitStack, workdir: Path, wanted: list[str],
             continue
         started = time.monotonic()
         try:
-            if system == "pytriton":
+            if system in systems.SHIPPED_SERVERS:
+                endpoints[system] = systems.start_shipped(stack, workdir, system)
+            elif system == "pytriton":
                 endpoints[system] = systems.start_pytriton(stack, workdir)
             elif system in systems.INFINITY_ENGINES:
                 endpoints[system] = systems.start_infinity(stack, workdir, system, notes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -33,6 +33,25 @@ def add_model(repository: Path, name: str, config: str, *, version_dir: Path = M
         if item.is_file():
             (target / item.name).symlink_to(item.resolve())
     return repository / name
+
+
+#: The shipped example repository: every example model, as ``make serve`` serves it.
+EXAMPLES: Final = ROOT / "model_repository"
+
+
+def example_repository(dest: Path, configure: Callable[[str, str], str] = lambda name, config: config) -> Path:
+    """Every example model under ``dest``, build outputs (files and folders of its version 1) linked.
+
+    Each config is what ``configure(name, shipped text)`` returns.
+    """
+    for model_dir in sorted(p for p in EXAMPLES.iterdir() if (p / "config.pbtxt").is_file()):
+        target = dest / model_dir.name / "1"
+        target.mkdir(parents=True)
+        (dest / model_dir.name / "config.pbtxt").write_text(
+            configure(model_dir.name, (model_dir / "config.pbtxt").read_text()))
+        for item in (model_dir / "1").iterdir():
+            (target / item.name).symlink_to(item.resolve())
+    return dest
 
 
 #: ONNX Runtime on every core, spinning (its defaults): how a server that runs one model alone is set up.

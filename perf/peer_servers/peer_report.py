@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from perf.report import _by_round, _fmt, median
 
@@ -59,6 +59,74 @@ def ratio_rows(run: Mapping[str, Any], profile: str) -> list[dict[str, Any]]:
     return rows
 
 
+#: Targets of the shipped server (issue "cores shared, not split"), and the concurrencies each is judged at.
+SHIPPED_TARGETS: Final = {
+    "over_alone": (0.9, (16, 64), "texts/s over `coalesce` (minilm alone in its server, every core)"),
+    "p50_over_alone": (1.2, (1,), "c=1 p50 over `coalesce`'s (at most)"),
+    "over_infinity_torch": (2.5, (16, 64), "texts/s over `infinity-torch`"),
+    "int8_over_fp32": (1.5, (16,), "texts/s over `coalesce-shipped-fp32` (INT8 over FP32)"),
+}
+
+
+def _same_round(ours: dict[int, Point], theirs: dict[int, Point], key: str) -> float | None:
+    """Median of the same-round ratios ours / theirs of ``key``."""
+    return median([ours[r][key] / theirs[r][key] for r in ours
+                   if r in theirs and ours[r][key] is not None and theirs[r][key]])
+
+
+def shipped_rows(run: Mapping[str, Any], profile: str) -> list[dict[str, Any]]:
+    """``coalesce-shipped`` (the example repository as shipped, every model loaded) against its targets, per c."""
+    points = [p for p in run["points"] if p["profile"] == profile]
+    bare = run.get("references", {}).get(profile, {}).get("bare_p50_ms", [])
+    rows = []
+    for concurrency in sorted({p["concurrency"] for p in points}):
+        by = {s: _by_round(points, system=s, concurrency=concurrency) for s in run["systems"]}
+        shipped = by.get("coalesce-shipped", {})
+        if not shipped:
+            continue
+        infinity = by.get("infinity-torch", {})
+        rows.append({
+            "concurrency": concurrency,
+            "over_alone": _same_round(shipped, by.get("coalesce", {}), "throughput_per_s"),
+            "p50_over_alone": _same_round(shipped, by.get("coalesce", {}), "p50_ms") if concurrency == 1 else None,
+            "p50_over_bare": median([shipped[r]["p50_ms"] / bare[r] for r in shipped if r < len(bare) and bare[r]])
+            if concurrency == 1 else None,
+            "over_infinity_torch": _same_round(shipped, infinity, "throughput_per_s"),
+            "p99_over_infinity_torch": _same_round(shipped, infinity, "p99_ms"),
+            "int8_over_fp32": _same_round(shipped, by.get("coalesce-shipped-fp32", {}), "throughput_per_s"),
+        })
+    return rows
+
+
+def _verdict(key: str, row: Mapping[str, Any]) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    target, judged_at, _ = SHIPPED_TARGETS[key]
+    if row["concurrency"] not in judged_at:
+        return f"{value:.2f}"
+    met = value <= target if key.startswith("p50") else value >= target
+    return f"{value:.2f} ({'met' if met else 'missed'})"
+
+
+def shipped_markdown(run: Mapping[str, Any], profile: str) -> list[str]:
+    """The shipped server's section of the report (empty when it was not measured)."""
+    rows = shipped_rows(run, profile)
+    if not rows:
+        return []
+    lines = ["### The shipped server (every example model loaded; load on minilm alone, row cache off)", "",
+             "Targets: " + "; ".join(f"{text} >= {target} at c = {', '.join(map(str, at))}"
+                                     .replace(">= ", "<= " if key.startswith("p50") else ">= ")
+                                     for key, (target, at, text) in SHIPPED_TARGETS.items()) + ".", "",
+             "| c | x coalesce (alone) | c=1 p50 / coalesce p50 | c=1 p50 / bare p50 | x infinity-torch "
+             "| p99 / infinity-torch p99 | INT8 / FP32 |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        lines.append(f"| {row['concurrency']} | {_verdict('over_alone', row)} | {_verdict('p50_over_alone', row)} | "
+                     f"{_fmt(row['p50_over_bare'])} | {_verdict('over_infinity_torch', row)} | "
+                     f"{_fmt(row['p99_over_infinity_torch'])} | {_verdict('int8_over_fp32', row)} |")
+    return [*lines, ""]
+
+
 def markdown(run: Mapping[str, Any]) -> str:
     """The report as Markdown."""
     systems = [s for s in run["systems"] if run["checks"].get(s, {}).get("ok")]
@@ -90,6 +158,7 @@ def markdown(run: Mapping[str, Any]) -> str:
             lines.append(f"| {row['concurrency']} | {_fmt(row['over_infinity_torch'])} | "
                          f"{_fmt(row['over_best_infinity'])} ({best}) | {_fmt(row['over_rayserve'])} | "
                          f"{_fmt(row['over_limit16'])} | {_fmt(row['p50_over_bare'])} |")
+        lines += ["", *shipped_markdown(run, profile)]
         refs = run.get("references", {}).get(profile, {})
         if refs:
             lines += ["", f"In process (median over rounds): bare one text {_fmt(median(refs['bare_mean_ms']))} ms "

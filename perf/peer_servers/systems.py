@@ -2,6 +2,8 @@
 
 - ``coalesce`` / ``coalesce-fp32`` / ``naive``: one tritonserver (the project's launcher),
   KServe v2 JSON over HTTP; ``pytriton``: the PyTriton baseline's own tritonserver.
+- ``coalesce-shipped`` / ``coalesce-shipped-fp32``: each a tritonserver on the example
+  repository as shipped, every model loaded (minilm's row cache off; FP32 for the second).
 - ``infinity-torch`` / ``infinity-optimum`` / ``infinity-optimum-int8``: ``infinity_emb v2``
   from ``.bench/venv-infinity``, OpenAI-style ``POST /embeddings``.
 - ``rayserve``: ``peer_servers/ray_app.py`` from ``.bench/venv-ray``.
@@ -47,7 +49,10 @@ SHIPPED_INT8: Final = MINILM / "1" / "model.int8.onnx"
 TRITON_MODELS: Final = {"coalesce": "minilm", "coalesce-fp32": "minilm_fp32", "naive": "naive"}
 INFINITY_ENGINES: Final = {"infinity-torch": "torch", "infinity-optimum": "optimum",
                            "infinity-optimum-int8": "optimum"}
-SYSTEMS: Final = (*TRITON_MODELS, "pytriton", *INFINITY_ENGINES, "rayserve")
+#: The shipped example repository, every model loaded, each its own tritonserver; load goes to minilm, its
+#: row cache off (the generator cycles through the workload) and, for ``-fp32``, ``precision fp32``.
+SHIPPED_SERVERS: Final = {"coalesce-shipped": {}, "coalesce-shipped-fp32": {"precision": "fp32"}}
+SYSTEMS: Final = (*TRITON_MODELS, *SHIPPED_SERVERS, "pytriton", *INFINITY_ENGINES, "rayserve")
 #: Rows per forward pass for the peers that take one (Infinity's ``--batch-size``, Ray's ``max_batch_size``).
 PEER_BATCH_SIZE: Final = 32
 #: The name Infinity serves the model under (``--served-model-name``), sent in every request.
@@ -155,6 +160,21 @@ def start_triton(stack: ExitStack, workdir: Path, systems: list[str]) -> dict[st
     log = stack.enter_context((workdir / "tritonserver.log").open("w"))
     server = stack.enter_context(TritonServer(options, echo=log))
     return {s: kserve_endpoint(s, server.http_url, TRITON_MODELS[s]) for s in systems}
+
+
+def start_shipped(stack: ExitStack, workdir: Path, system: str) -> Endpoint:
+    """A tritonserver on the example repository as shipped, every model loaded: what ``make serve`` starts.
+
+    Only minilm is changed, as ``SHIPPED_SERVERS`` says.
+    """
+    changes = {**repository.NO_CACHE, **SHIPPED_SERVERS[system]}
+    repo = repository.example_repository(
+        workdir / system, lambda name, config: repository.with_parameters(config, changes) if name == "minilm"
+        else config)
+    options = ServerOptions.on_free_ports(repo, model_control="explicit", load_models=("*",))
+    log = stack.enter_context((workdir / f"{system}.log").open("w"))
+    server = stack.enter_context(TritonServer(options, echo=log))
+    return kserve_endpoint(system, server.http_url, "minilm")
 
 
 def start_pytriton(stack: ExitStack, workdir: Path) -> Endpoint:

@@ -64,6 +64,14 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
         logger.info(check_int8(settings, task, choice.runtime, version_dir))
     metrics = PipelineMetrics(metric_factory or InMemoryMetricFactory(), model=name, version=version)
     cost_model, samples = _cost_model(settings, task, choice.runtime, logger)
+    if settings.runtime.share_idle_cores and choice.runtime.name == "onnxruntime":
+        # After calibration and the INT8 guard: both time and compare the instance's own share.
+        from coalesce.runtimes.cores import CoreBoard, machine_cores
+        from coalesce.runtimes.onnx import OnnxRuntime
+
+        assert isinstance(choice.runtime, OnnxRuntime)
+        own = settings.runtime.intra_op_threads or machine_cores()
+        logger.info(choice.runtime.share_cores(CoreBoard(own_threads=own), settings.runtime.borrowed_thread_priority))
     cache_options = settings.cache
     if not cache_options.enabled:
         return Pipeline(task, choice.runtime, settings.planner, metrics, logger, cost_model=cost_model,

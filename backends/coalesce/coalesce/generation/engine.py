@@ -43,6 +43,7 @@ from coalesce.generation.sampling import sample
 from coalesce.generation.text import IncrementalText
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import GenerationMetrics
+from coalesce.runtimes.cores import CoreBoard
 from coalesce.settings import GenerateOptions
 
 
@@ -96,12 +97,16 @@ class GenerationEngine:
     """Schedules and runs generation steps on one model, from its own thread (or ``step()`` by hand in tests)."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, options: GenerateOptions, *, context_length: int,
-                 metrics: GenerationMetrics, logger: Logger, start: bool = True) -> None:
+                 metrics: GenerationMetrics, logger: Logger, start: bool = True,
+                 board: CoreBoard | None = None) -> None:
         """Allocate the KV cache from ``options.kv_cache_bytes``; start the step thread unless ``start`` is False.
 
         ``context_length``: most tokens of one sequence, prompt included (capped to what the pool holds).
+        ``board``: the server's core board, marked around each forward pass so that the server's
+        other models keep to their own share of the cores while this one generates.
         """
         self.model = model
+        self.board = board
         self.tokenizer = tokenizer
         self.options = options
         self.metrics = metrics
@@ -251,7 +256,11 @@ class GenerationEngine:
         ran = bool(self._running)
         if ran:
             step, members = self._plan()
-            logits = self.model.forward(step, self.cache)
+            if self.board is None:
+                logits = self.model.forward(step, self.cache)
+            else:
+                with self.board.computing():
+                    logits = self.model.forward(step, self.cache)
             self.steps += 1
             self._advance(members, logits)
         if check is not None:

@@ -98,8 +98,13 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
     context = min(settings.task.max_sequence_length, model.context_length)
     metrics = GenerationMetrics(metric_factory or InMemoryMetricFactory(), model=name, version=version)
     try:
+        board = None
+        if settings.runtime.share_idle_cores and device.type == "cpu":
+            from coalesce.runtimes.cores import CoreBoard
+
+            board = CoreBoard(own_threads=threads)
         engine = GenerationEngine(model, tokenizer, options, context_length=context, metrics=metrics, logger=logger,
-                                  start=start)
+                                  start=start, board=board)
     except ConfigError as exc:
         raise ConfigError(f"model '{name}': {exc}") from None
     logger.info(f"generate: {model.model.config.model_type} on {device} ({str(dtype).removeprefix('torch.')}, "

@@ -10,6 +10,7 @@ import onnxruntime as ort
 
 from coalesce.core.errors import ConfigError, RuntimeFailure
 from coalesce.core.tensors import ONNX_TO_TRITON, GraphIO, GraphTensor
+from coalesce.runtimes.cores import CoreBoard, set_idle_priority, threads_of_this_process
 from coalesce.settings import RuntimeOptions
 
 
@@ -41,8 +42,34 @@ def read_graph_io(path: Path) -> GraphIO:
     return graph_io(session)
 
 
+def _session(path: Path, *, threads: int, inter_op_threads: int, spinning: bool,
+             providers: Sequence[str], device_id: int) -> ort.InferenceSession:
+    """One ONNX Runtime session over ``path`` on ``threads`` intra-op threads (0: ONNX Runtime chooses).
+
+    Raises:
+        ConfigError: If ONNX Runtime cannot load the graph.
+    """
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = inter_op_threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spinning else "0")
+    try:
+        gpu_options = {"device_id": str(device_id)}
+        chosen = [(p, gpu_options) if p != "CPUExecutionProvider" else p for p in providers]
+        return ort.InferenceSession(str(path), sess_options=options, providers=chosen)
+    except Exception as exc:  # onnxruntime raises its own untyped exceptions
+        raise ConfigError(f"cannot load ONNX model {path}: {exc}") from exc
+
+
 class OnnxRuntime:
-    """An ONNX Runtime session over any graph: named tensors in, named tensors out."""
+    """An ONNX Runtime session over any graph: named tensors in, named tensors out.
+
+    Sharing the cores (``share_cores``), it holds a second session on every core and runs each
+    pass on the wide one while no other model of the server computes, on its own
+    ``intra_op_threads`` otherwise.
+    """
 
     name = "onnxruntime"
 
@@ -56,21 +83,39 @@ class OnnxRuntime:
         """
         if not path.is_file():
             raise ConfigError(f"ONNX model not found: {path} (run `make setup`, or put the model's graph there)")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = inter_op_threads
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if thread_spinning else "0")
-        options.add_session_config_entry("session.inter_op.allow_spinning", "1" if thread_spinning else "0")
-        try:
-            gpu_options = {"device_id": str(device_id)}
-            chosen = [(p, gpu_options) if p != "CPUExecutionProvider" else p for p in providers]
-            self._session = ort.InferenceSession(str(path), sess_options=options, providers=chosen)
-        except Exception as exc:  # onnxruntime raises its own untyped exceptions
-            raise ConfigError(f"cannot load ONNX model {path}: {exc}") from exc
+        self._session = _session(path, threads=intra_op_threads, inter_op_threads=inter_op_threads,
+                                 spinning=thread_spinning, providers=providers, device_id=device_id)
         self.path = path
         self.graph = graph_io(self._session)
         self.providers = self._session.get_providers()
+        self.board: CoreBoard | None = None
+        self._wide: ort.InferenceSession | None = None
+        self._threads = (intra_op_threads, inter_op_threads, thread_spinning, tuple(providers), device_id)
+        #: Passes run on every core while sharing (no neighbour computed when they began).
+        self.wide_passes = 0
+
+    def share_cores(self, board: CoreBoard, borrowed_priority: str = "idle") -> str:
+        """Share the cores with the server's other models through ``board``; return what was set up, for the log.
+
+        Each pass then marks the board; where ``intra_op_threads`` is below the cores, a second
+        session on every core runs the passes no neighbour computes beside. ``borrowed_priority``
+        ``idle`` runs that session's extra threads at the kernel's idle priority. Only on the CPU.
+        """
+        intra, inter, spinning, providers, device_id = self._threads
+        if self.providers != ["CPUExecutionProvider"]:
+            board.close()
+            return "core sharing: off (not on the CPU)"
+        self.board = board  # a model on every core still marks the board, so its neighbours keep to their share
+        if not 0 < intra < board.cores:
+            return f"core sharing: every pass on all {board.cores} cores, marked on {board.path} slot {board.slot}"
+        idle = borrowed_priority == "idle"
+        before = threads_of_this_process()
+        self._wide = _session(self.path, threads=board.cores, inter_op_threads=inter, spinning=spinning or idle,
+                              providers=providers, device_id=device_id)
+        borrowed = threads_of_this_process() - before
+        count = set_idle_priority(borrowed) if idle else len(borrowed)
+        return (f"core sharing: a pass runs on {board.cores} cores while no other model computes, else on {intra}; "
+                f"{count} borrowed threads at {borrowed_priority} priority; board {board.path} slot {board.slot}")
 
     @classmethod
     def from_options(cls, path: Path, options: RuntimeOptions, *,
@@ -84,13 +129,24 @@ class OnnxRuntime:
                    thread_spinning=options.thread_spinning, providers=providers, device_id=device_id)
 
     def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        """Run one pass; return the named ``outputs``.
+        """Run one pass (on every core if no neighbour computes); return the named ``outputs``.
 
         Raises:
             RuntimeFailure: If ONNX Runtime fails on this pass.
         """
+        if self.board is None:
+            return self._run(self._session, feeds, outputs)
+        with self.board.computing() as threads:
+            if self._wide is not None and threads > self.board.own_threads:
+                self.wide_passes += 1
+                return self._run(self._wide, feeds, outputs)
+            return self._run(self._session, feeds, outputs)
+
+    @staticmethod
+    def _run(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray],
+             outputs: Sequence[str]) -> dict[str, np.ndarray]:
         try:
-            values = self._session.run(list(outputs), dict(feeds))
+            values = session.run(list(outputs), dict(feeds))
         except Exception as exc:
             shapes = {name: list(array.shape) for name, array in feeds.items()}
             raise RuntimeFailure(f"ONNX Runtime failed on a pass with inputs {shapes}: {exc}") from exc
