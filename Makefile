@@ -9,6 +9,7 @@ PYTEST_ARGS ?=
 
 BENCH_ARGS ?=
 PEERS_ARGS ?=
+SHIPPED_ARGS ?=
 LOAD_ARGS ?=
 P99_MS ?= 200
 TUNE_ARGS ?=
@@ -47,9 +48,12 @@ bench:                 ## perf_analyzer: coalesce vs naive side by side, offline
 	$(BIN)/python -m perf.bench $(BENCH_ARGS)
 	$(BIN)/python -m perf.peers $(PEERS_ARGS)
 
-bench-defaults:        ## the shipped minilm defaults (INT8, queue delay 0, row cache) against each alternative; writes perf/results/defaults-*
+bench-defaults:        ## the shipped minilm defaults (INT8, queue delay 0, row cache) against each alternative, then the shipped server (SHIPPED_ARGS); writes perf/results/defaults-*, shipped-*
 	@bash scripts/setup.sh --dev
+	@bash scripts/setup_peers.sh infinity
 	$(BIN)/python -m perf.defaults $(BENCH_ARGS)
+	$(BIN)/python -m perf.peers --systems coalesce,coalesce-shipped,coalesce-shipped-fp32,infinity-torch \
+		--run shipped-$$(date -u +%Y%m%d) $(SHIPPED_ARGS)
 
 bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm
 	@bash scripts/setup.sh --dev

@@ -60,7 +60,8 @@ def create_runtime(settings: ModelSettings, task: Task, version_dir: Path, *, in
     """
     options = settings.runtime
     if options.precision == "int8":
-        # The INT8 kernels (MatMulNBits at accuracy level 4) are ONNX Runtime's CPU kernels; a GPU has fp16.
+        # The INT8 graphs (MatMulNBits or MatMulInteger, coalesce_tools.quantize) are ONNX Runtime CPU kernels;
+        # a GPU has fp16.
         from coalesce.runtimes.onnx import OnnxRuntime
 
         int8_path = version_file(version_dir, options.int8_onnx_file)
