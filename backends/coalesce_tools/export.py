@@ -496,7 +496,7 @@ def missing_files(config: dict[str, Any], version_dir: Path) -> list[str]:
         return missing + ([] if weights else [f"{folder}/*.safetensors"])
     if settings.runtime.runtime in ("auto", "onnxruntime"):
         wanted.append(settings.runtime.onnx_file)
-    if settings.runtime.precision == "int8":
+    if settings.runtime.precision == "int8":  # under `auto` the INT8 graph is optional: FP32 serves without it
         wanted.append(settings.runtime.int8_onnx_file)
     if settings.task.task in TEXT_TASKS:
         wanted.append(settings.text.tokenizer_file)

@@ -19,13 +19,14 @@ built-in text set and thresholds, ``coalesce.runtimes.quantized``, with ``EXPORT
 to spare); the passing ones and the
 FP32 graph are then timed on one thread over the guard texts (interleaved repeats), and the
 fastest INT8 graph is kept. How it was made, the guard's numbers and the speeds go to
-``model.int8.onnx.json``, which also keeps the graph from being rebuilt while the FP32 graph
-and the thresholds are unchanged.
+``model.int8.onnx.json``, which also keeps the graph from being rebuilt while the FP32 graph,
+the guard's texts and the thresholds are unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import statistics
@@ -39,12 +40,11 @@ import numpy as np
 
 from coalesce.cache.keys import file_digest
 from coalesce.runtimes.guard_texts import GUARD_TEXTS
+from coalesce.runtimes.quantized import RECORD_SUFFIX, cpu_name
 from coalesce.settings import INT8_TASKS, ModelSettings
 
 #: Bump when the quantisation changes, so stale INT8 graphs are rebuilt.
-QUANTIZE_FORMAT: Final = 3
-#: The record of how the INT8 graph was made, beside it.
-RECORD_SUFFIX: Final = ".json"
+QUANTIZE_FORMAT: Final = 4
 
 
 #: ``MatMulNBits`` block sizes tried, fastest first.
@@ -53,7 +53,7 @@ BLOCK_SIZES: Final = (256, 128, 64, 32)
 ACCURACY_LEVEL: Final = 4
 #: Dynamic quantisation: fractions of the MatMuls kept in FP32 (worst outlier ratio first), tried in order.
 FP32_FRACTIONS: Final = (0.0, 1 / 12, 1 / 6, 1 / 4, 1 / 3, 1 / 2)
-#: What a candidate must clear the load's thresholds by: the guard's 148 texts are a sample, and a text outside
+#: What a candidate must clear the load's thresholds by: the guard's texts are a sample, and a text outside
 #: it may drift a little further (the load itself checks the plain thresholds).
 EXPORT_HEADROOM: Final = 0.003
 #: Timing of the passing candidates: interleaved repeats over the guard texts, on one thread.
@@ -149,14 +149,18 @@ def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool =
     vectors the guard compares, its thresholds (``int8_min_mean_cosine``, ``int8_min_cosine``)
     what passes.
 
+    Where no graph of either family passes the guard, the record says so (precision ``auto``
+    then serves FP32), unless the config asks for ``int8``.
+
     Raises:
-        SystemExit: If no quantised graph of either family passes the guard.
+        SystemExit: If no quantised graph passes the guard and the config's precision is ``int8``.
     """
     from coalesce.core.errors import ConfigError
     from coalesce.runtimes.onnx import OnnxRuntime
     from coalesce.runtimes.quantized import Agreement, agreement
     from coalesce.tasks import create_task
 
+    required = ModelSettings.from_model_config(config).runtime.precision == "int8"
     parameters = {**(config.get("parameters") or {}), "precision": {"string_value": "fp32"}}
     settings = ModelSettings.from_model_config({**config, "parameters": parameters})
     options = settings.runtime
@@ -166,7 +170,8 @@ def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool =
     fp32_path = version_dir / options.onnx_file
     int8_path = version_dir / options.int8_onnx_file
     record_path = int8_path.with_name(int8_path.name + RECORD_SUFFIX)
-    wanted = {"format": QUANTIZE_FORMAT, "fp32_sha256": file_digest(fp32_path),
+    texts_digest = hashlib.sha256("\0".join(GUARD_TEXTS).encode()).hexdigest()
+    wanted = {"format": QUANTIZE_FORMAT, "fp32_sha256": file_digest(fp32_path), "guard_texts_sha256": texts_digest,
               "min_mean_cosine": options.int8_min_mean_cosine, "min_cosine": options.int8_min_cosine}
     if not force and int8_path.is_file() and record_path.is_file():
         record = json.loads(record_path.read_text())
@@ -185,11 +190,13 @@ def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool =
     where = f"coalesce export --int8: {version_dir}"
     with tempfile.TemporaryDirectory(dir=version_dir) as scratch:
         passing: dict[str, tuple[Path, Agreement, str]] = {}  # short name: graph, guard, how it was made
+        tried: dict[str, list[float]] = {}  # short name: guard mean and minimum
         for block_size in BLOCK_SIZES:  # the largest block that passes
             path = Path(scratch) / f"blocks{block_size}.onnx"
             with _quiet():
                 quantize_blocks(fp32_path, path, block_size)
             found = agreement(task, reference.run, OnnxRuntime(path).run)
+            tried[f"MatMulNBits block {block_size}"] = [round(found.mean_cosine, 5), round(found.min_cosine, 5)]
             log(f"{where}: MatMulNBits, 8-bit blocks of {block_size}: {found.describe()}")
             if found.passes(*thresholds):
                 passing[f"MatMulNBits block {block_size}"] = (path, found, f"MatMulNBits, 8 bits, symmetric, block "
@@ -203,6 +210,8 @@ def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool =
             with _quiet():
                 quantize_dynamic_except(fp32_path, path, [name for name, _ in ranking[:count]])
             found = agreement(task, reference.run, OnnxRuntime(path).run)
+            tried[f"dynamic, {count} of {len(ranking)} MatMuls in FP32"] = [round(found.mean_cosine, 5),
+                                                                            round(found.min_cosine, 5)]
             log(f"{where}: dynamic INT8, {count} of {len(ranking)} MatMuls in FP32: {found.describe()}")
             if not found.passes(*thresholds):
                 return False
@@ -220,19 +229,26 @@ def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool =
                 break
             failed = count
         if not passing:
-            raise SystemExit(f"{where}: no INT8 graph reached mean cosine >= {thresholds[0]:g} and minimum >= "
-                             f"{thresholds[1]:g} (the thresholds plus {EXPORT_HEADROOM}) against the FP32 graph "
-                             f"(MatMulNBits at block sizes {', '.join(map(str, BLOCK_SIZES))}; dynamic INT8 with up "
-                             "to half the MatMuls in FP32); serve it with precision fp32")
+            why = (f"no INT8 graph reached mean cosine >= {thresholds[0]:g} and minimum >= {thresholds[1]:g} (the "
+                   f"thresholds plus {EXPORT_HEADROOM}) against the FP32 graph (MatMulNBits at block sizes "
+                   f"{', '.join(map(str, BLOCK_SIZES))}; dynamic INT8 with up to half the MatMuls in FP32)")
+            if required:
+                raise SystemExit(f"{where}: {why}; serve it with precision fp32 (or auto)")
+            int8_path.unlink(missing_ok=True)
+            record_path.write_text(json.dumps({**wanted, "chosen": None, "why": why, "cpu": cpu_name(),
+                                               "guard_tried": tried}, indent=2) + "\n")
+            log(f"{where}: {why}; precision auto serves FP32")
+            return True
         speed = _relative_speed(task, fp32_path, {name: path for name, (path, _, _) in passing.items()})
         chosen = max(passing, key=lambda name: speed[name])
         path, found, how = passing[chosen]
         path.replace(int8_path)
     log(f"{where}: kept {chosen}: {speed[chosen]:.2f}x FP32's texts/s on one thread"
-        + ("" if speed[chosen] >= 1 else " (slower than FP32 on this CPU: precision fp32 serves faster)"))
+        + ("" if speed[chosen] > 1 else " (slower than FP32 on this CPU: precision auto serves FP32)"))
     record = {**wanted, "quantization": how, "guard_mean_cosine": round(found.mean_cosine, 5),
               "guard_min_cosine": round(found.min_cosine, 5), "guard_texts": found.texts,
               "texts_per_s_over_fp32": {name: round(ratio, 3) for name, ratio in speed.items()}, "chosen": chosen,
+              "cpu": cpu_name(), "guard_tried": tried,
               "timing": f"one thread, the {len(GUARD_TEXTS)} guard texts in sorted passes, median of "
                         f"{TIMING_REPEATS} interleaved repeats, ratio to FP32 per repeat",
               "seconds": round(time.perf_counter() - start, 1)}

@@ -46,6 +46,9 @@ FIXED_COST = "0.003,0.0001,0"
 FP32_NO_CACHE = {"precision": "fp32", "cache_bytes": "0"}
 #: Test-only variant: minilm in FP32 without a row cache (FP32_NO_CACHE), the exact reference for vector tests.
 EXACT_MODEL = "minilm_fp32"
+#: Test-only variant: minilm forced to precision int8 (the shipped `auto` serves INT8 only where it pays on the
+#: CPU), so the INT8 graph's accuracy contract is checked on every machine.
+INT8_MODEL = "minilm_int8"
 
 
 def add_model(
@@ -96,6 +99,7 @@ def repository(tmp_path_factory) -> Path:
     # The wide variant compares each neighbour's vector with sentence-transformers': FP32, every row computed.
     add_model(repo, WIDE_MODEL, wide=WIDE_BATCH, parameters={**FP32_NO_CACHE, "cost_model": FIXED_COST})
     add_model(repo, EXACT_MODEL, parameters=FP32_NO_CACHE)
+    add_model(repo, INT8_MODEL, parameters={"precision": "int8", "cache_bytes": "0", "cost_model": FIXED_COST})
     for name in (*GENERATE_MODELS, *TEST_MODELS):
         built(name)
         add_model(repo, name, source=model_dir(name))
@@ -116,7 +120,8 @@ def start_server(options: ServerOptions) -> TritonServer:
 def server(repository, request):
     options = ServerOptions.on_free_ports(
         repository, model_control="explicit",
-        load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, *GENERATE_MODELS, *TEST_MODELS, TIGHT_MODEL),
+        load_models=(*EXAMPLE_MODELS, WIDE_MODEL, EXACT_MODEL, INT8_MODEL, *GENERATE_MODELS, *TEST_MODELS,
+                     TIGHT_MODEL),
     )
     triton = start_server(options)
     request.session.triton_server = triton

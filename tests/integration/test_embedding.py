@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from coalesce.runtimes.quantized import int8_pays
 from coalesce_client import EmbeddingClient
 from coalesce_client.client import encode_texts
 from coalesce_client.load import run_load, sample_texts
-from tests.conftest import TRICKY_TEXTS, model_config
-from tests.integration.conftest import EXACT_MODEL, WIDE_BATCH, WIDE_MODEL, in_one_execute, infer
+from tests.conftest import TRICKY_TEXTS, built, model_config
+from tests.integration.conftest import EXACT_MODEL, INT8_MODEL, WIDE_BATCH, WIDE_MODEL, in_one_execute, infer
 from tests.integration.test_cache import settled_metric
 
 PROTOCOLS = ("http", "grpc")
@@ -54,28 +55,44 @@ def test_matches_sentence_transformers(server, protocol, reference_model):
 
 
 def test_minilm_is_served_as_shipped(server, grpc_client):
-    """The server runs model_repository/minilm's config unchanged: INT8 and a 64 MiB row cache."""
+    """The server runs model_repository/minilm's config unchanged: precision auto and a 64 MiB row cache."""
     shipped = {k: v["string_value"] for k, v in model_config("minilm")["parameters"].items()}
     served = {
         k: v["string_value"]
         for k, v in grpc_client.get_model_config("minilm", as_json=True)["config"]["parameters"].items()
     }
     assert served == shipped
-    assert (served["precision"], served["cache_bytes"]) == ("int8", str(64 << 20))
+    assert (served["precision"], served["cache_bytes"]) == ("auto", str(64 << 20))
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_the_shipped_int8_model_stays_within_its_guard_of_sentence_transformers(server, protocol, reference_model):
-    texts = (TRICKY_TEXTS + sample_texts(64, seed=11))[:64]  # one request: up to max_batch_size rows
-    texts = [f"{t} ({protocol})" for t in texts]  # new to the row cache: each vector is computed here
-    want = reference_model.encode(texts, normalize_embeddings=True)
+def test_precision_auto_serves_the_graph_its_record_chose(server, protocol):
+    """Shipped minilm serves INT8 where set-up measured it faster than FP32 on this CPU, else the FP32 graph."""
+    pays, why = int8_pays(built("minilm") / "model.int8.onnx")
+    texts = [f"{t} (auto, {protocol})" for t in TRICKY_TEXTS]  # new to the row cache: computed here
     served = embed_raw(server, protocol, texts)
+    fp32 = embed_raw(server, protocol, texts, model=EXACT_MODEL)
+    cosine = (served * fp32).sum(axis=1)
+    if pays:
+        assert not np.array_equal(served, fp32) and cosine.min() >= 0.98, why
+    else:
+        assert cosine.min() >= 0.99999, why  # the FP32 graph (on one thread or every core: the same sums)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_int8_graph_stays_within_its_guard_of_sentence_transformers(server, protocol, reference_model):
+    """The INT8 graph set-up made (precision int8 forced: auto serves it only where it pays) keeps its contract."""
+    texts = (TRICKY_TEXTS + sample_texts(64, seed=11))[:64]  # one request: up to max_batch_size rows
+    texts = [f"{t} ({protocol})" for t in texts]
+    want = reference_model.encode(texts, normalize_embeddings=True)
+    served = embed_raw(server, protocol, texts, model=INT8_MODEL)
     # The INT8 graph answered, not the FP32 one: its vectors are close to FP32's but not equal.
     fp32 = embed_raw(server, protocol, texts, model=EXACT_MODEL)
     assert not np.array_equal(served, fp32)
     together = (served * want).sum(axis=1)
     with ThreadPoolExecutor(max_workers=8) as pool:  # and one text per request, batched by Triton
-        apart = np.concatenate(list(pool.map(lambda t: embed_raw(server, protocol, [f"{t} (apart)"]), texts)))
+        apart = np.concatenate(list(pool.map(lambda t: embed_raw(server, protocol, [f"{t} (apart)"],
+                                                                 model=INT8_MODEL), texts)))
     alone = (apart * reference_model.encode([f"{t} (apart)" for t in texts], normalize_embeddings=True)).sum(axis=1)
     for cosine in (together, alone):
         assert cosine.mean() >= 0.99 and cosine.min() >= 0.98, dict(zip(texts, cosine.tolist(), strict=True))

@@ -27,7 +27,7 @@ from coalesce.observability.log import Logger
 from coalesce.observability.metrics import InMemoryMetricFactory, MetricFactory, PipelineMetrics
 from coalesce.runtimes import Runtime, create_runtime
 from coalesce.runtimes.bls import BlsCall
-from coalesce.settings import ModelSettings, SettingsError
+from coalesce.settings import INT8_TASKS, ModelSettings, SettingsError
 from coalesce.tasks import create_task, task_type
 
 #: Cost model of a BLS target when none is configured: 3 ms a pass, 2 us a position (a GPU encoder's order).
@@ -49,9 +49,9 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
         ConfigError: If a setting, the config's tensors, a file or the runtime does not fit the task;
             the message names the model and what to change.
     """
-    settings = settings or read_settings(config)
-    name = settings.model_name
+    name = (settings or read_settings(config)).model_name
     logger = logger or Logger(name)
+    settings = resolve_precision(settings or read_settings(config), version_dir, logger, instance_kind=instance_kind)
     if settings.max_batch_size <= 0:
         raise ConfigError(f"model '{name}': max_batch_size is {settings.max_batch_size}; the coalesce backend "
                           "needs batching (max_batch_size >= 1): rows are dim 0 of every tensor")
@@ -97,6 +97,29 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
                     cost_samples=samples, cache=RowCache(cache_options.cache_bytes, ttl_s=cache_options.cache_ttl_s),
                     shared=shared, fingerprint=fingerprint, model_name=name,
                     max_request_bytes=settings.task.max_request_bytes)
+
+
+def resolve_precision(settings: ModelSettings, version_dir: Path, logger: Logger, *,
+                      instance_kind: str = "CPU") -> ModelSettings:
+    """``settings`` with precision ``auto`` made concrete: ``int8`` where the INT8 graph pays here, else ``fp32``.
+
+    Only a CPU instance of an INT8 task on ONNX Runtime can take ``int8``; the choice and its
+    reason go to the log.
+    """
+    options = settings.runtime
+    if options.precision != "auto":
+        return settings
+    if settings.task.task not in INT8_TASKS or options.runtime not in ("auto", "onnxruntime"):
+        pays, why = False, f"INT8 is for tasks {' and '.join(INT8_TASKS)} on ONNX Runtime"
+    elif instance_kind.upper() != "CPU":
+        pays, why = False, "INT8 runs on the CPU and this is a GPU instance"
+    else:
+        from coalesce.runtimes.quantized import int8_pays
+
+        pays, why = int8_pays(version_file(version_dir, options.int8_onnx_file))
+    chosen = "int8" if pays else "fp32"
+    logger.info(f"precision auto: {chosen}: {why}")
+    return dataclasses.replace(settings, runtime=dataclasses.replace(options, precision=chosen))
 
 
 def read_settings(config: Mapping[str, Any]) -> ModelSettings:

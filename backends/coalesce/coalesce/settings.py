@@ -27,7 +27,7 @@ TEXT_TASKS: Final = ("embedding", "classify", "similarity")
 INT8_TASKS: Final = ("embedding", "similarity")
 GENERATION_BATCHING_CHOICES: Final = ("continuous", "request")
 RUNTIME_CHOICES: Final = ("auto", "tensorrt", "onnxruntime", "torch", "bls")
-PRECISION_CHOICES: Final = ("fp32", "fp16", "int8")
+PRECISION_CHOICES: Final = ("fp32", "fp16", "int8", "auto")
 POOLING_CHOICES: Final = ("mean", "cls")
 ACTIVATION_CHOICES: Final = ("none", "sigmoid", "softmax")
 PLANNER_CHOICES: Final = ("dp", "greedy")
@@ -201,7 +201,9 @@ class RuntimeOptions:
         "fp32", "Compute precision: `fp16` for the torch runtime on CUDA (halves memory, uses tensor cores); "
         "`int8` for ONNX Runtime on the CPU (tasks embedding and similarity): runs `int8_onnx_file`, a graph with "
         "8-bit weights (`coalesce export --int8`), and loads only if its vectors pass the accuracy guard against "
-        "`onnx_file`. TensorRT engines carry their own. Part of the cache key.", choices=PRECISION_CHOICES)
+        "`onnx_file`; `auto`: `int8` where `coalesce export --int8` found, on this CPU, an INT8 graph that passes "
+        "the guard and runs faster than FP32 (its record beside the graph says), else `fp32` (the load logs which "
+        "and why). TensorRT engines carry their own. Part of the cache key.", choices=PRECISION_CHOICES)
     int8_onnx_file: str = _spec(
         "model.int8.onnx", "precision `int8`: the quantised ONNX graph, relative to the version folder.")
     int8_min_mean_cosine: float = _spec(

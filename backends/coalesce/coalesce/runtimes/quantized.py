@@ -16,7 +16,10 @@ them) and one at a time, and the worst of both counts.
 from __future__ import annotations
 
 import dataclasses
+import json
+import platform
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Final
 
 import numpy as np
@@ -101,3 +104,45 @@ def agreement(task: Task, reference: RunPass, candidate: RunPass,
 def _unit(vectors: np.ndarray) -> np.ndarray:
     flat = vectors.reshape(len(vectors), -1)
     return flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
+
+
+#: Beside an INT8 graph: how it was made and measured (``coalesce_tools.quantize`` writes it).
+RECORD_SUFFIX: Final = ".json"
+
+
+def int8_pays(int8_path: Path) -> tuple[bool, str]:
+    """Whether precision ``auto`` serves the INT8 graph at ``int8_path``, and why (for the load log).
+
+    It does where the export's record says the graph passed the guard and ran faster than the
+    FP32 graph; the record also names the CPU it was measured on, and another CPU is called out.
+    """
+    record_path = int8_path.with_name(int8_path.name + RECORD_SUFFIX)
+    if not record_path.is_file():
+        return False, f"no INT8 graph measured here ({record_path.name} missing; `coalesce export --int8` makes one)"
+    try:
+        record = json.loads(record_path.read_text())
+        chosen = record.get("chosen")
+        ratio = float(record["texts_per_s_over_fp32"][chosen]) if chosen else 0.0
+    except (ValueError, KeyError, TypeError) as exc:
+        return False, f"{record_path.name} is unreadable ({exc})"
+    if not chosen:
+        return False, f"no INT8 graph passed the accuracy guard at export ({record_path.name})"
+    if not int8_path.is_file():
+        return False, f"{int8_path.name} is missing beside its record (`coalesce export --int8 --force` remakes it)"
+    where = "" if record.get("cpu") in (None, cpu_name()) else f" (measured on {record['cpu']}, not this {cpu_name()})"
+    if ratio <= 1.0:
+        return False, f"the INT8 graph ({chosen}) ran {ratio:.2f}x FP32's texts/s at export{where}"
+    return True, f"the INT8 graph ({chosen}) ran {ratio:.2f}x FP32's texts/s at export{where}"
+
+
+def cpu_name() -> str:
+    """This CPU's model name and its INT8 instruction sets, which decide which INT8 kernels are fast."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    extras = [name for name in ("avx512_vnni", "avx_vnni", "amx_int8") if name in flags]
+    return f"{model} ({', '.join(extras) or 'no VNNI'})"
