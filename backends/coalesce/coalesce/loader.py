@@ -64,18 +64,22 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
         logger.info(check_int8(settings, task, choice.runtime, version_dir))
     metrics = PipelineMetrics(metric_factory or InMemoryMetricFactory(), model=name, version=version)
     cost_model, samples = _cost_model(settings, task, choice.runtime, logger)
+    board = None
     if settings.runtime.share_idle_cores and choice.runtime.name == "onnxruntime":
         # After calibration and the INT8 guard: both time and compare the instance's own share.
         from coalesce.runtimes.cores import CoreBoard, machine_cores
         from coalesce.runtimes.onnx import OnnxRuntime
 
         assert isinstance(choice.runtime, OnnxRuntime)
-        own = settings.runtime.intra_op_threads or machine_cores()
-        logger.info(choice.runtime.share_cores(CoreBoard(own_threads=own), settings.runtime.borrowed_thread_priority))
+        board = CoreBoard(own_threads=settings.runtime.intra_op_threads or machine_cores())
+        logger.info(choice.runtime.share_cores(board, settings.runtime.borrowed_thread_priority,
+                                               wide_passes=metrics.wide_passes))
+        board = choice.runtime.board  # None where it does not share (not on the CPU)
     cache_options = settings.cache
     if not cache_options.enabled:
         return Pipeline(task, choice.runtime, settings.planner, metrics, logger, cost_model=cost_model,
-                        cost_samples=samples, model_name=name, max_request_bytes=settings.task.max_request_bytes)
+                        cost_samples=samples, model_name=name, max_request_bytes=settings.task.max_request_bytes,
+                        board=board)
     start = time.perf_counter()
     fingerprint = output_fingerprint({
         "model": name, "version": version, **task.fingerprint(),
@@ -96,7 +100,7 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
     return Pipeline(task, choice.runtime, settings.planner, metrics, logger, cost_model=cost_model,
                     cost_samples=samples, cache=RowCache(cache_options.cache_bytes, ttl_s=cache_options.cache_ttl_s),
                     shared=shared, fingerprint=fingerprint, model_name=name,
-                    max_request_bytes=settings.task.max_request_bytes)
+                    max_request_bytes=settings.task.max_request_bytes, board=board)
 
 
 def resolve_precision(settings: ModelSettings, version_dir: Path, logger: Logger, *,

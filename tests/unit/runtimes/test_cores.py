@@ -143,3 +143,39 @@ def test_onnx_runtime_on_every_core_marks_the_board_but_holds_one_session(tmp_pa
     feeds = {t.name: np.ones((1, 8), dtype=np.int64) for t in runtime.graph.inputs}
     runtime.run(feeds, [t.name for t in runtime.graph.outputs])
     assert seen == [1] and runtime.wide_passes == 0 and watcher.others_active() == 0
+
+
+def test_marks_nest_and_the_instance_is_idle_after_the_outermost(tmp_path):
+    board = CoreBoard(own_threads=1, cores=2, path=tmp_path / "board")
+    watcher = CoreBoard(own_threads=1, cores=2, path=tmp_path / "board")
+    with board.computing():  # a dispatch
+        with board.computing():  # a pass inside it
+            pass
+        assert watcher.others_active() == 1  # still reading, splitting: still busy
+    assert watcher.others_active() == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to share them")
+def test_a_pipeline_marks_the_board_for_its_whole_dispatch(monkeypatch, tmp_path):
+    from coalesce.loader import load_pipeline
+    from tests.conftest import model_config
+    from tests.unit.fakes import answers, texts
+
+    monkeypatch.setenv(cores.BOARD_ENV, str(tmp_path / "board"))
+    pipeline = load_pipeline(model_config("minilm", cost_model="0.003,0.0001,0", precision="fp32"), built("minilm"))
+    assert pipeline.board is not None and pipeline.board.path == tmp_path / "board"
+    watcher = CoreBoard(own_threads=1, cores=2, path=tmp_path / "board")
+    seen = []
+    prepare = pipeline.task.prepare
+
+    def spy(rows):
+        seen.append(watcher.others_active())  # before any pass: tokenising is inside the mark
+        return prepare(rows)
+
+    monkeypatch.setattr(pipeline.task, "prepare", spy)
+    (got,) = answers(pipeline, {"TEXT": texts("marked while tokenised")})
+    assert got["EMBEDDING"].shape == (1, 384) and seen == [1] and watcher.others_active() == 0
+    assert pipeline.metrics.wide_passes is not None and pipeline.runtime.wide_passes == 1
+    no_sharing = load_pipeline(model_config("minilm", cost_model="0.003,0.0001,0", precision="fp32",
+                                            share_idle_cores="false"), built("minilm"))
+    assert no_sharing.board is None and no_sharing.runtime.board is None

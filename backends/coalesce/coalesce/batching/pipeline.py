@@ -29,6 +29,7 @@ from coalesce.core.tensors import TensorSpec
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import PipelineMetrics
 from coalesce.runtimes import Runtime
+from coalesce.runtimes.cores import CoreBoard
 from coalesce.settings import PlannerOptions
 
 #: What the pipeline runs per request: its rows as the task read them, or the error found reading it.
@@ -102,8 +103,10 @@ class Pipeline:
                  logger: Logger | None = None, *, cost_model: CostModel,
                  cost_samples: Sequence[tuple[int, int, float]] = (), cache: RowCache | None = None,
                  shared: RedisTier | None = None, fingerprint: bytes = b"", model_name: str = "model",
-                 max_request_bytes: int = 0) -> None:
+                 max_request_bytes: int = 0, board: CoreBoard | None = None) -> None:
         """Wire the pipeline; ``coalesce.loader.load_pipeline`` builds one from a model's files.
+
+        ``board``: the server's core board, marked around each dispatch (``coalesce.runtimes.cores``).
 
         ``cache`` (the in-process tier) and ``shared`` (the Redis tier, asked for the rows
         the first tier misses), with the ``fingerprint`` of everything that decides the
@@ -118,6 +121,7 @@ class Pipeline:
         """
         self.task = task
         self.runtime = runtime
+        self.board = board
         self.options = options
         self.metrics = metrics
         self.model_name = model_name
@@ -211,7 +215,16 @@ class Pipeline:
         return PassResult(batch, outputs, run_s=ran - start, split_s=time.perf_counter() - ran)
 
     def run(self, requests: Sequence[RequestInput]) -> list[RequestResult]:
-        """Compute the rows of all requests together; one result per request, in order."""
+        """Compute the rows of all requests together; one result per request, in order.
+
+        Marked on the server's core board for its whole length, where the model shares the cores.
+        """
+        if self.board is None:
+            return self._run(requests)
+        with self.board.computing():
+            return self._run(requests)
+
+    def _run(self, requests: Sequence[RequestInput]) -> list[RequestResult]:
         metrics = self.metrics
         metrics.executions.increment(1)
         metrics.requests.increment(len(requests))

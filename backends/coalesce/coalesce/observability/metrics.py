@@ -98,6 +98,10 @@ class PipelineMetrics:
             "Rows answered from an identical row of the same execute() instead of being computed again", labels)
         self.forward_passes = factory.counter(
             "coalesce_forward_passes_total", "Forward passes run by the runtime", labels)
+        self.wide_passes = factory.counter(
+            "coalesce_forward_passes_wide_total",
+            "Forward passes run on every core because no other model of the server computed (share_idle_cores)",
+            labels)
         self.cache_hits = factory.counter("coalesce_cache_hits_total", "Rows answered from the row cache", labels)
         self.cache_misses = factory.counter(
             "coalesce_cache_misses_total", "Rows looked up in the row cache and not found", labels)

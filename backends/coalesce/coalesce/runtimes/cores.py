@@ -9,6 +9,9 @@ an instance marks its slot active and reads everyone else's:
 - another one is: it runs on the instance's own share (``intra_op_threads``, one thread in the
   example repository), so the cores go back to a neighbour within one pass.
 
+A row model marks its whole dispatch (reading, tokenising, passes, splitting), a generation
+model each step.
+
 The threads a wide pass borrows beyond the instance's share can run at the kernel's idle
 priority (``SCHED_IDLE``): they compute only on cores no other thread wants, so a neighbour
 that starts mid-pass gets its core at once instead of at this pass's end. A slot whose owner
@@ -25,6 +28,7 @@ import mmap
 import os
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +119,8 @@ class CoreBoard:
         self.slot = self._claim()
         self._others = np.ones(BOARD_SLOTS, dtype=bool)
         self._others[self.slot] = False
+        self._lock = threading.Lock()
+        self._depth = 0
 
     def _claim(self) -> int:
         """Lock the first free slot's bytes (the lock dies with this process) and clear it."""
@@ -142,14 +148,24 @@ class CoreBoard:
         return int(np.count_nonzero(fresh))
 
     def begin(self) -> int:
-        """Mark this instance computing; return the threads its pass may use."""
+        """Mark this instance computing; return the threads its pass may use.
+
+        Marks nest: a whole dispatch is marked (its reading, tokenising and splitting are work
+        too, and a neighbour that widened in their gaps would crowd the next pass), and each
+        pass inside it again; the instance is idle when the outermost mark ends.
+        """
         now_ns = time.monotonic_ns()
-        self._words[self.slot, _ACTIVE] = now_ns
+        with self._lock:
+            self._depth += 1
+            self._words[self.slot, _ACTIVE] = now_ns  # also renews the mark against STALE_AFTER_S
         return self.cores if self.others_active(now_ns) == 0 else self.own_threads
 
     def end(self) -> None:
-        """Mark this instance idle."""
-        self._words[self.slot, _ACTIVE] = 0
+        """End the innermost mark; the instance is idle once none is left."""
+        with self._lock:
+            self._depth = max(0, self._depth - 1)
+            if self._depth == 0:
+                self._words[self.slot, _ACTIVE] = 0
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[int]:
@@ -168,7 +184,7 @@ class CoreBoard:
         """
         if self._fd < 0:
             return
-        self.end()
+        self._words[self.slot, _ACTIVE] = 0
         _HELD.get(str(self.path), set()).discard(self.slot)
         del self._words
         self._map.close()

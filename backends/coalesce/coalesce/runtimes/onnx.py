@@ -10,6 +10,7 @@ import onnxruntime as ort
 
 from coalesce.core.errors import ConfigError, RuntimeFailure
 from coalesce.core.tensors import ONNX_TO_TRITON, GraphIO, GraphTensor
+from coalesce.observability.metrics import Counter
 from coalesce.runtimes.cores import CoreBoard, set_idle_priority, threads_of_this_process
 from coalesce.settings import RuntimeOptions
 
@@ -93,14 +94,18 @@ class OnnxRuntime:
         self._threads = (intra_op_threads, inter_op_threads, thread_spinning, tuple(providers), device_id)
         #: Passes run on every core while sharing (no neighbour computed when they began).
         self.wide_passes = 0
+        self._wide_counter: Counter | None = None
 
-    def share_cores(self, board: CoreBoard, borrowed_priority: str = "idle") -> str:
+    def share_cores(self, board: CoreBoard, borrowed_priority: str = "idle",
+                    wide_passes: Counter | None = None) -> str:
         """Share the cores with the server's other models through ``board``; return what was set up, for the log.
 
         Each pass then marks the board; where ``intra_op_threads`` is below the cores, a second
         session on every core runs the passes no neighbour computes beside. ``borrowed_priority``
-        ``idle`` runs that session's extra threads at the kernel's idle priority. Only on the CPU.
+        ``idle`` runs that session's extra threads at the kernel's idle priority; ``wide_passes``
+        counts the passes run on every core. Only on the CPU.
         """
+        self._wide_counter = wide_passes
         intra, inter, spinning, providers, device_id = self._threads
         if self.providers != ["CPUExecutionProvider"]:
             board.close()
@@ -139,6 +144,8 @@ class OnnxRuntime:
         with self.board.computing() as threads:
             if self._wide is not None and threads > self.board.own_threads:
                 self.wide_passes += 1
+                if self._wide_counter is not None:
+                    self._wide_counter.increment(1)
                 return self._run(self._wide, feeds, outputs)
             return self._run(self._session, feeds, outputs)
 
