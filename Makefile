@@ -52,7 +52,7 @@ bench-defaults:        ## the shipped minilm defaults (INT8, queue delay 0, row 
 	@bash scripts/setup.sh --dev
 	@bash scripts/setup_peers.sh infinity
 	$(BIN)/python -m perf.defaults $(BENCH_ARGS)
-	$(BIN)/python -m perf.peers --systems coalesce,coalesce-shipped,coalesce-shipped-fp32,infinity-torch \
+	$(BIN)/python -m perf.peers --systems coalesce,coalesce-shipped,coalesce-shipped-int8,coalesce-shipped-fp32,infinity-torch \
 		--run shipped-$$(date -u +%Y%m%d) $(SHIPPED_ARGS)
 
 bench-shared:          ## the shared Redis row-cache tier: cost on distinct traffic, a second server starting warm

@@ -15,8 +15,12 @@ noise, their ratio, and what isolation costs the noisy model (answers per second
 Variants (every model's config as shipped, then):
 - ``shipped``: unchanged: one ONNX Runtime thread per model, and every core for a model's pass while no
   other model computes (``share_idle_cores``, the borrowed threads at idle priority).
+- ``wide_no_spin``: the same without ONNX Runtime's threads spin-waiting (``thread_spinning false``; with one
+  thread per model only the wide session has threads that could spin). Measured as ``shipped`` in
+  ``neighbours-20261207-spin``, where ``shipped_spin`` was today's ``shipped``.
 - ``borrow_normal``: the same with the borrowed threads at normal priority (``borrowed_thread_priority normal``).
-- ``one_core_each``: a fixed split: one thread per model, never more (``share_idle_cores false``).
+- ``one_core_each``: a fixed split: one thread per model, never more (``share_idle_cores false``; one thread
+  has no pool to spin).
 - ``shared``: no isolation; each model's ONNX Runtime uses every core (spinning) whenever Triton hands it a batch.
 - ``no_spin``: every core, but its threads do not spin-wait for work.
 - ``rate_limiter``: every core, under Triton's rate limiter (``--rate-limit=execution_count``): every instance
@@ -58,7 +62,7 @@ from perf.repository import SINGLE_MODEL_THREADS, example_repository, with_param
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "model_repository"
 RESULTS = ROOT / "perf" / "results"
-VARIANTS: Final = ("shipped", "borrow_normal", "one_core_each", "shared", "no_spin", "rate_limiter")
+VARIANTS: Final = ("shipped", "wide_no_spin", "borrow_normal", "one_core_each", "shared", "no_spin", "rate_limiter")
 #: The variants a default run measures (the others were measured before: perf/results/neighbours-20261205.md).
 DEFAULT_VARIANTS: Final = ("shipped", "borrow_normal", "one_core_each")
 #: Targets of the shipped variant: light p99 beside the noise over alone, noisy answers/s over the fixed split's.
@@ -75,9 +79,10 @@ def variant_config(config: str, variant: str) -> str:
         return config
     if variant == "borrow_normal":
         return with_parameters(config, {"borrowed_thread_priority": "normal"})
+    if variant == "wide_no_spin":
+        return with_parameters(config, {"thread_spinning": "false"})
     if variant == "one_core_each":
-        return with_parameters(config, {"intra_op_threads": "1", "thread_spinning": "false",
-                                        "share_idle_cores": "false"})
+        return with_parameters(config, {"intra_op_threads": "1", "share_idle_cores": "false"})
     config = with_parameters(config, SINGLE_MODEL_THREADS)
     if variant == "rate_limiter":
         if _INSTANCE_GROUP.search(config):

@@ -7,8 +7,9 @@ driven by one closed-loop HTTP load generator (``perf.closed_loop``), one text p
 - ``coalesce``: the shipped ``model_repository/minilm`` config on every core, in tritonserver;
   ``coalesce-fp32``: the same with ``precision fp32``; ``naive`` and ``pytriton``: the
   Triton-protocol baselines of ``perf/baselines``. KServe v2 JSON.
-- ``coalesce-shipped`` (``-fp32``): the example repository as shipped, every model loaded, in
-  a tritonserver of its own; the load goes to ``minilm`` (row cache off).
+- ``coalesce-shipped`` (``-int8``, ``-fp32``): the example repository as shipped, every model
+  loaded, in a tritonserver of its own; the load goes to ``minilm`` (row cache off; its
+  precision forced in the last two).
 - ``infinity-torch``, ``infinity-optimum``, ``infinity-optimum-int8``: Infinity's torch and
   ONNX Runtime engines, batch size 32; OpenAI-style ``/embeddings``.
 - ``rayserve``: a Ray Serve deployment with ``@serve.batch(max_batch_size=32)`` over the

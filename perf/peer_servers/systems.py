@@ -2,8 +2,9 @@
 
 - ``coalesce`` / ``coalesce-fp32`` / ``naive``: one tritonserver (the project's launcher),
   KServe v2 JSON over HTTP; ``pytriton``: the PyTriton baseline's own tritonserver.
-- ``coalesce-shipped`` / ``coalesce-shipped-fp32``: each a tritonserver on the example
-  repository as shipped, every model loaded (minilm's row cache off; FP32 for the second).
+- ``coalesce-shipped`` / ``-int8`` / ``-fp32``: each a tritonserver on the example
+  repository as shipped, every model loaded (minilm's row cache off; its precision forced for
+  the last two).
 - ``infinity-torch`` / ``infinity-optimum`` / ``infinity-optimum-int8``: ``infinity_emb v2``
   from ``.bench/venv-infinity``, OpenAI-style ``POST /embeddings``.
 - ``rayserve``: ``peer_servers/ray_app.py`` from ``.bench/venv-ray``.
@@ -50,8 +51,10 @@ TRITON_MODELS: Final = {"coalesce": "minilm", "coalesce-fp32": "minilm_fp32", "n
 INFINITY_ENGINES: Final = {"infinity-torch": "torch", "infinity-optimum": "optimum",
                            "infinity-optimum-int8": "optimum"}
 #: The shipped example repository, every model loaded, each its own tritonserver; load goes to minilm, its
-#: row cache off (the generator cycles through the workload) and, for ``-fp32``, ``precision fp32``.
-SHIPPED_SERVERS: Final = {"coalesce-shipped": {}, "coalesce-shipped-fp32": {"precision": "fp32"}}
+#: row cache off (the generator cycles through the workload) and, for ``-int8``/``-fp32``, that precision forced
+#: (the shipped ``auto`` serves INT8 only where set-up measured it faster than FP32 on the CPU).
+SHIPPED_SERVERS: Final = {"coalesce-shipped": {}, "coalesce-shipped-int8": {"precision": "int8"},
+                          "coalesce-shipped-fp32": {"precision": "fp32"}}
 SYSTEMS: Final = (*TRITON_MODELS, *SHIPPED_SERVERS, "pytriton", *INFINITY_ENGINES, "rayserve")
 #: Rows per forward pass for the peers that take one (Infinity's ``--batch-size``, Ray's ``max_batch_size``).
 PEER_BATCH_SIZE: Final = 32

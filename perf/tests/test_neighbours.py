@@ -55,11 +55,12 @@ def test_each_variant_changes_only_thread_settings_of_the_shipped_config():
     assert runtime["shipped"].share_idle_cores and runtime["shipped"].borrowed_thread_priority == "idle"
     assert runtime["shipped"].intra_op_threads == 1
     assert runtime["borrow_normal"].borrowed_thread_priority == "normal"
+    assert runtime["shipped"].thread_spinning and not runtime["wide_no_spin"].thread_spinning
     assert not runtime["one_core_each"].share_idle_cores and runtime["one_core_each"].intra_op_threads == 1
     assert runtime["shared"].intra_op_threads == 0 and runtime["shared"].thread_spinning
     assert runtime["no_spin"].intra_op_threads == 0 and not runtime["no_spin"].thread_spinning
     assert "rate_limiter" in variant_config(shipped, "rate_limiter")
-    assert {r.precision for r in runtime.values()} == {"int8"}  # the shipped precision stays
+    assert {r.precision for r in runtime.values()} == {"auto"}  # the shipped precision stays
 
 
 def test_targets_say_met_or_missed_per_light_model_and_for_the_noisy_model():

@@ -14,9 +14,11 @@ def test_the_shipped_server_is_judged_by_same_round_ratios():
         points += [_point(r, "coalesce", 1, 200 * drift, p50=4.0),
                    _point(r, "coalesce-shipped", 1, 190 * drift, p50=4.4),
                    _point(r, "coalesce", 16, 240 * drift), _point(r, "coalesce-shipped", 16, 228 * drift, p99=30.0),
+                   _point(r, "coalesce-shipped-int8", 16, 228 * drift),
                    _point(r, "coalesce-shipped-fp32", 16, 140 * drift),
                    _point(r, "infinity-torch", 16, 80 * drift, p99=60.0)]
-    run = {"points": points, "systems": ["coalesce", "coalesce-shipped", "coalesce-shipped-fp32", "infinity-torch"],
+    run = {"points": points, "systems": ["coalesce", "coalesce-shipped", "coalesce-shipped-int8",
+                                         "coalesce-shipped-fp32", "infinity-torch"],
            "references": {"queries": {"bare_p50_ms": [3.0, 3.0]}}}
     rows = {row["concurrency"]: row for row in shipped_rows(run, "queries")}
     assert abs(rows[16]["over_alone"] - 0.95) < 1e-9

@@ -115,7 +115,7 @@ class OnnxRuntime:
             return f"core sharing: every pass on all {board.cores} cores, marked on {board.path} slot {board.slot}"
         idle = borrowed_priority == "idle"
         before = threads_of_this_process()
-        self._wide = _session(self.path, threads=board.cores, inter_op_threads=inter, spinning=spinning or idle,
+        self._wide = _session(self.path, threads=board.cores, inter_op_threads=inter, spinning=spinning,
                               providers=providers, device_id=device_id)
         borrowed = threads_of_this_process() - before
         count = set_idle_priority(borrowed) if idle else len(borrowed)
