@@ -71,10 +71,14 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
         from coalesce.runtimes.onnx import OnnxRuntime
 
         assert isinstance(choice.runtime, OnnxRuntime)
-        board = CoreBoard(own_threads=settings.runtime.intra_op_threads or machine_cores())
-        logger.info(choice.runtime.share_cores(board, settings.runtime.borrowed_thread_priority,
-                                               wide_passes=metrics.wide_passes))
-        board = choice.runtime.board  # None where it does not share (not on the CPU)
+        try:
+            board = CoreBoard(own_threads=settings.runtime.intra_op_threads or machine_cores())
+        except ConfigError as exc:  # sharing is an optimisation: the model serves on its own share without it
+            logger.warning(f"{exc}; this model runs every pass on intra_op_threads")
+        else:
+            logger.info(choice.runtime.share_cores(board, settings.runtime.borrowed_thread_priority,
+                                                   wide_passes=metrics.wide_passes))
+            board = choice.runtime.board  # None where it does not share (not on the CPU)
     cache_options = settings.cache
     if not cache_options.enabled:
         return Pipeline(task, choice.runtime, settings.planner, metrics, logger, cost_model=cost_model,

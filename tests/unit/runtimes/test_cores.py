@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from coalesce.observability.log import Logger
 from coalesce.runtimes import cores
 from coalesce.runtimes.cores import CoreBoard, _remove_orphan_boards
 from coalesce.runtimes.onnx import OnnxRuntime
@@ -179,3 +180,25 @@ def test_a_pipeline_marks_the_board_for_its_whole_dispatch(monkeypatch, tmp_path
     no_sharing = load_pipeline(model_config("minilm", cost_model="0.003,0.0001,0", precision="fp32",
                                             share_idle_cores="false"), built("minilm"))
     assert no_sharing.board is None and no_sharing.runtime.board is None
+
+
+def test_a_board_that_cannot_be_made_leaves_the_model_serving_on_its_share(monkeypatch, tmp_path):
+    from coalesce.loader import load_pipeline
+    from tests.conftest import model_config
+    from tests.unit.fakes import answers, texts
+
+    monkeypatch.setenv(cores.BOARD_ENV, str(tmp_path / "no such folder" / "board"))
+    lines = []
+
+    class Lines(Logger):
+        def warning(self, message):
+            lines.append(message)
+
+    pipeline = load_pipeline(model_config("minilm", cost_model="0.003,0.0001,0", precision="fp32"), built("minilm"),
+                             logger=Lines("minilm"))
+    assert pipeline.board is None and pipeline.runtime.board is None
+    assert any("core sharing: cannot open the core board" in line and "runs every pass on intra_op_threads" in line
+               for line in lines)
+    (got,) = answers(pipeline, {"TEXT": texts("still served")})
+    assert got["EMBEDDING"].shape == (1, 384)
+
