@@ -17,8 +17,8 @@ def test_every_variant_changes_one_setting_of_the_shipped_config():
         assert f'name: "minilm_{variant}"' in config and 'name: "minilm"' not in config
         # The shipped thread settings stay: these are the defaults as served.
         assert defaults.parameter(config, "intra_op_threads") == "1"
-        assert defaults.parameter(config, "thread_spinning") == "false"
-    assert defaults.parameter(configs["shipped"], "precision") == "int8"
+        assert defaults.parameter(config, "thread_spinning") == "true"
+    assert defaults.parameter(configs["shipped"], "precision") == "auto"
     assert defaults.parameter(configs["fp32"], "precision") == "fp32"
     assert f"max_queue_delay_microseconds: {shipped_us}\n" in configs["shipped"]
     for variant, us in delays.items():

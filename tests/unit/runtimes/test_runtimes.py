@@ -221,7 +221,7 @@ def test_create_runtime_on_a_cpu_machine():
     settings, task = task_of("minilm", runtime="torch", cuda_graphs="true", precision="fp32")
     with pytest.raises(ConfigError, match=r"^model 'minilm': cuda_graphs needs torch on CUDA; runtime 'torch'"):
         create_runtime(settings, task, built("minilm"), caps=CPU_ONLY)
-    settings, task = task_of("minilm")  # as shipped: precision int8
+    settings, task = task_of("minilm", precision="int8")  # forced (the shipped auto is resolved by the loader)
     choice = create_runtime(settings, task, built("minilm"), caps=CPU_ONLY)
     assert choice.reason == "precision int8: ONNX Runtime on the CPU runs model.int8.onnx; providers " \
         "['CPUExecutionProvider']"
