@@ -29,8 +29,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +40,7 @@ from coalesce.runtimes.quantized import GUARD_PASS_ROWS, agreement, embed
 from coalesce.settings import ModelSettings
 from coalesce.tasks import create_task
 from coalesce_tools.config import read_model_config, with_parameters
+from coalesce_tools.quantize import guard_feeds, outlier_ranking, quantize_dynamic_except, texts_per_s
 from perf import workloads
 from perf.report import write_summary
 
@@ -57,13 +56,6 @@ def dynamic_graph(fp32: Path, out: Path, *, per_channel: bool) -> Path:
     return out
 
 
-def texts_per_s(task: Any, run: Callable[..., Any], texts: list[str]) -> float:
-    """Texts per second of length-sorted passes of ``GUARD_PASS_ROWS`` rows over ``texts``."""
-    start = time.perf_counter()
-    embed(task, run, texts, pass_rows=GUARD_PASS_ROWS)
-    return len(texts) / (time.perf_counter() - start)
-
-
 #: The thread layouts timed: a model's own share (beside busy neighbours) and every core (alone, spinning).
 PROFILES: dict[str, dict[str, Any]] = {"1 thread": {"intra_op_threads": 1, "thread_spinning": False},
                                        "every core": {"intra_op_threads": 0, "thread_spinning": True}}
@@ -74,7 +66,6 @@ FP32_COUNTS = (6, 12, 18)
 def main(argv: list[str] | None = None) -> int:
     """Measure every graph; write the report."""
     from coalesce.runtimes.quantized import cpu_name
-    from coalesce_tools.quantize import _guard_feeds, outlier_ranking, quantize_dynamic_except
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="speed runs per graph and profile, interleaved")
@@ -96,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = {"fp32": fp32_path, f"shipped: {record['chosen']}": shipped_path,
              "dynamic, per tensor": dynamic_graph(fp32_path, scratch / "dyn.onnx", per_channel=False),
              "dynamic, per channel": dynamic_graph(fp32_path, scratch / "dynpc.onnx", per_channel=True)}
-    ranking = outlier_ranking(fp32_path, _guard_feeds(task, GUARD_TEXTS))
+    ranking = outlier_ranking(fp32_path, guard_feeds(task, GUARD_TEXTS))
     for count in FP32_COUNTS:
         path = scratch / f"dyn{count}.onnx"
         quantize_dynamic_except(fp32_path, path, [name for name, _ in ranking[:count]])

@@ -117,7 +117,8 @@ def outlier_ranking(fp32_path: Path, feeds: Sequence[Mapping[str, np.ndarray]]) 
     return sorted(((n.name, ratio[n.input[0]]) for n in matmuls), key=lambda item: -item[1])
 
 
-def _texts_per_s(run: Callable[..., Any], task: Any, texts: Sequence[str]) -> float:
+def texts_per_s(task: Any, run: Callable[..., Any], texts: Sequence[str]) -> float:
+    """Texts per second of length-sorted passes of ``GUARD_PASS_ROWS`` rows over ``texts``."""
     from coalesce.runtimes.quantized import GUARD_PASS_ROWS, embed
 
     start = time.perf_counter()
@@ -125,20 +126,11 @@ def _texts_per_s(run: Callable[..., Any], task: Any, texts: Sequence[str]) -> fl
     return len(texts) / (time.perf_counter() - start)
 
 
-def _guard_feeds(task: Any, texts: Sequence[str]) -> list[dict[str, np.ndarray]]:
+def guard_feeds(task: Any, texts: Sequence[str]) -> list[dict[str, np.ndarray]]:
     """The guard's batched passes over ``texts`` as graph feeds (calibration for the outlier ranking)."""
-    from coalesce.core.task import Pass
-    from coalesce.runtimes.quantized import GUARD_PASS_ROWS
+    from coalesce.runtimes.quantized import GUARD_PASS_ROWS, sorted_passes
 
-    task = task.guarded_task()
-    prepared = task.prepare(list(texts))
-    order = np.argsort(prepared.lengths, kind="stable")
-    feeds = []
-    for start in range(0, len(order), GUARD_PASS_ROWS):
-        rows = order[start:start + GUARD_PASS_ROWS]
-        padded = int(prepared.lengths[rows].max())
-        feeds.append(dict(Pass(prepared, rows, padded, task.assemble(prepared, rows, padded)).feeds))
-    return feeds
+    return [dict(batch.feeds) for batch in sorted_passes(task.guarded_task(), texts, pass_rows=GUARD_PASS_ROWS)]
 
 
 def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool = False,
@@ -203,7 +195,7 @@ def quantize_int8(version_dir: Path, config: Mapping[str, Any], *, force: bool =
                                                                            f"{block_size}, accuracy level "
                                                                            f"{ACCURACY_LEVEL}")
                 break
-        ranking = outlier_ranking(fp32_path, _guard_feeds(task, GUARD_TEXTS))
+        ranking = outlier_ranking(fp32_path, guard_feeds(task, GUARD_TEXTS))
 
         def dynamic(count: int) -> bool:
             path = Path(scratch) / f"dynamic{count}.onnx"
@@ -276,10 +268,10 @@ def _relative_speed(task: Any, fp32_path: Path, candidates: Mapping[str, Path]) 
             for name, path in {"fp32": fp32_path, **candidates}.items()}
     guarded = task.guarded_task()
     for run in runs.values():  # sessions warm, allocations made
-        _texts_per_s(run, guarded, GUARD_TEXTS[:32])
+        texts_per_s(guarded, run, GUARD_TEXTS[:32])
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(TIMING_REPEATS):
         for name, run in runs.items():
-            rates[name].append(_texts_per_s(run, guarded, GUARD_TEXTS))
+            rates[name].append(texts_per_s(guarded, run, GUARD_TEXTS))
     return {name: statistics.median(a / b for a, b in zip(rates[name], rates["fp32"], strict=True))
             for name in candidates}

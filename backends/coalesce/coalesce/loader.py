@@ -49,9 +49,10 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
         ConfigError: If a setting, the config's tensors, a file or the runtime does not fit the task;
             the message names the model and what to change.
     """
-    name = (settings or read_settings(config)).model_name
+    settings = settings or read_settings(config)
+    name = settings.model_name
     logger = logger or Logger(name)
-    settings = resolve_precision(settings or read_settings(config), version_dir, logger, instance_kind=instance_kind)
+    settings = resolve_precision(settings, version_dir, logger, instance_kind=instance_kind)
     if settings.max_batch_size <= 0:
         raise ConfigError(f"model '{name}': max_batch_size is {settings.max_batch_size}; the coalesce backend "
                           "needs batching (max_batch_size >= 1): rows are dim 0 of every tensor")
@@ -67,15 +68,12 @@ def load_pipeline(config: Mapping[str, Any], version_dir: Path, *, version: str 
     board = None
     if settings.runtime.share_idle_cores and choice.runtime.name == "onnxruntime":
         # After calibration and the INT8 guard: both time and compare the instance's own share.
-        from coalesce.runtimes.cores import CoreBoard, machine_cores
+        from coalesce.runtimes.cores import machine_cores, open_board
         from coalesce.runtimes.onnx import OnnxRuntime
 
         assert isinstance(choice.runtime, OnnxRuntime)
-        try:
-            board = CoreBoard(own_threads=settings.runtime.intra_op_threads or machine_cores())
-        except ConfigError as exc:  # sharing is an optimisation: the model serves on its own share without it
-            logger.warning(f"{exc}; this model runs every pass on intra_op_threads")
-        else:
+        board = open_board(settings.runtime.intra_op_threads or machine_cores(), logger.warning)
+        if board is not None:
             logger.info(choice.runtime.share_cores(board, settings.runtime.borrowed_thread_priority,
                                                    wide_passes=metrics.wide_passes))
             board = choice.runtime.board  # None where it does not share (not on the CPU)

@@ -29,7 +29,7 @@ from coalesce.core.tensors import TensorSpec
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import PipelineMetrics
 from coalesce.runtimes import Runtime
-from coalesce.runtimes.cores import CoreBoard
+from coalesce.runtimes.cores import CoreBoard, marked
 from coalesce.settings import PlannerOptions
 
 #: What the pipeline runs per request: its rows as the task read them, or the error found reading it.
@@ -219,9 +219,7 @@ class Pipeline:
 
         Marked on the server's core board for its whole length, where the model shares the cores.
         """
-        if self.board is None:
-            return self._run(requests)
-        with self.board.computing():
+        with marked(self.board):
             return self._run(requests)
 
     def _run(self, requests: Sequence[RequestInput]) -> list[RequestResult]:

@@ -43,7 +43,7 @@ from coalesce.generation.sampling import sample
 from coalesce.generation.text import IncrementalText
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import GenerationMetrics
-from coalesce.runtimes.cores import CoreBoard
+from coalesce.runtimes.cores import CoreBoard, marked
 from coalesce.settings import GenerateOptions
 
 
@@ -256,11 +256,8 @@ class GenerationEngine:
         ran = bool(self._running)
         if ran:
             step, members = self._plan()
-            if self.board is None:
+            with marked(self.board):
                 logits = self.model.forward(step, self.cache)
-            else:
-                with self.board.computing():
-                    logits = self.model.forward(step, self.cache)
             self.steps += 1
             self._advance(members, logits)
         if check is not None:

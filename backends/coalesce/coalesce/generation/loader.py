@@ -100,9 +100,9 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
     try:
         board = None
         if settings.runtime.share_idle_cores and device.type == "cpu":
-            from coalesce.runtimes.cores import CoreBoard
+            from coalesce.runtimes.cores import open_board
 
-            board = CoreBoard(own_threads=threads)
+            board = open_board(threads, logger.warning)
         engine = GenerationEngine(model, tokenizer, options, context_length=context, metrics=metrics, logger=logger,
                                   start=start, board=board)
     except ConfigError as exc:

@@ -30,7 +30,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -208,3 +208,20 @@ def set_idle_priority(thread_ids: set[int]) -> int:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             changed += 1
     return changed
+
+
+def open_board(own_threads: int, warn: Callable[[str], None]) -> CoreBoard | None:
+    """This instance's place on its server's board, or None (with a warning) where the board cannot be made.
+
+    Sharing is an optimisation: without a board the model runs every pass on its own share.
+    """
+    try:
+        return CoreBoard(own_threads=own_threads)
+    except ConfigError as exc:
+        warn(f"{exc}; this model runs every pass on intra_op_threads")
+        return None
+
+
+def marked(board: CoreBoard | None) -> contextlib.AbstractContextManager[object]:
+    """``board.computing()``, or nothing where the model does not share the cores."""
+    return contextlib.nullcontext() if board is None else board.computing()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -66,20 +66,25 @@ def guarded_output(task: Task) -> str:
     return task.outputs[0].name
 
 
-def embed(task: Task, run: RunPass, texts: Sequence[str], *, pass_rows: int) -> np.ndarray:
-    """The task's output vectors for ``texts`` (in order), run in length-sorted passes of ``pass_rows`` rows."""
-    output = guarded_output(task)
+def sorted_passes(task: Task, texts: Sequence[str], *, pass_rows: int) -> Iterator[Pass]:
+    """``texts`` as the task's passes of up to ``pass_rows`` rows, sorted by length (as the planner forms them)."""
     prepared = task.prepare(list(texts))
     order = np.argsort(prepared.lengths, kind="stable")
-    vectors: np.ndarray | None = None
     for start in range(0, len(order), pass_rows):
         rows = order[start:start + pass_rows]
         padded = int(prepared.lengths[rows].max())
-        batch = Pass(prepared, rows, padded, task.assemble(prepared, rows, padded))
+        yield Pass(prepared, rows, padded, task.assemble(prepared, rows, padded))
+
+
+def embed(task: Task, run: RunPass, texts: Sequence[str], *, pass_rows: int) -> np.ndarray:
+    """The task's output vectors for ``texts`` (in order), run in length-sorted passes of ``pass_rows`` rows."""
+    output = guarded_output(task)
+    vectors: np.ndarray | None = None
+    for batch in sorted_passes(task, texts, pass_rows=pass_rows):
         out = np.asarray(task.split(batch, run(batch.feeds, task.graph_outputs))[output], dtype=np.float32)
         if vectors is None:
             vectors = np.empty((len(texts), *out.shape[1:]), dtype=np.float32)
-        vectors[rows] = out
+        vectors[batch.indices] = out
     assert vectors is not None  # texts is never empty
     return vectors
 
