@@ -1,10 +1,13 @@
 """Triton entry point of the ``coalesce`` backend: a thin adapter over the core.
 
-It converts ``pb_utils`` requests to plain numpy tensors by name, hands all requests of
-one ``execute`` to the model's pipeline together (or to the adaptive scheduler), and
-converts results and errors back; ``auto_complete_config`` fills in what a minimal
-``config.pbtxt`` leaves out. Nothing else lives here: the core (package ``coalesce``)
-never imports ``triton_python_backend_utils`` and is tested without Triton, for every task.
+``TritonPythonModel`` loads one of two small adapters, by task: ``_RowModel`` converts
+``pb_utils`` requests to plain numpy tensors by name, hands all requests of one
+``execute`` to the model's pipeline together (or to the adaptive scheduler), and
+converts results and errors back; ``_GenerateModel`` hands each request to the
+generation engine, which answers through the request's response sender.
+``auto_complete_config`` fills in what a minimal ``config.pbtxt`` leaves out. Nothing else
+lives here: the core (package ``coalesce``) never imports ``triton_python_backend_utils``
+and is tested without Triton, for every task.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ import triton_python_backend_utils as pb_utils
 
 from coalesce.batching.pipeline import RequestResult
 from coalesce.core.errors import CoalesceError, RuntimeFailure, as_result
-from coalesce.core.limits import check_request_bytes, oversize_error, request_bytes
+from coalesce.core.limits import oversize_error, request_bytes
 from coalesce.core.tensors import TensorSpec
+from coalesce.generation.contract import INPUT_NAMES as GENERATION_INPUTS
+from coalesce.generation.contract import response_outputs
 from coalesce.generation.events import GenerationEvent
-from coalesce.generation.loader import GENERATION_INPUTS, load_engine
-from coalesce.generation.request import TEXT_OUTPUT
-from coalesce.generation.request import read_request as read_generation_request
+from coalesce.generation.loader import load_engine
 from coalesce.loader import complete_config, load_pipeline, read_settings, triton_prefetch_blockers
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import BufferedMetricFactory, SchedulerMetrics
@@ -116,33 +119,51 @@ class TritonPythonModel:
         return auto_complete_model_config
 
     def initialize(self, args: dict[str, str]) -> None:
-        """Parse settings, load the task, runtime and caches, create metrics; a bad config fails the load."""
+        """Parse settings, then load the task's adapter; a bad config fails the load with its message."""
         config = json.loads(args["model_config"])
-        settings = read_settings(config)  # ConfigError fails the load with its message
-        version = args["model_version"]
-        version_dir = Path(args["model_repository"]) / version
+        settings = read_settings(config)
         logger = Logger(settings.model_name, pb_utils.Logger)
         # Families must outlive their metrics: the factory keeps them, and the model keeps the factory.
         # Every pb_utils metric call is a round trip to the server: record in process, send from a thread.
         self._metric_factory = BufferedMetricFactory(
             _TritonMetricFactory(), interval_s=settings.metrics.metrics_interval_ms / 1000,
             on_error=lambda exc: logger.error(f"sending metrics failed: {exc!r}"))
-        self._engine: Any = None
-        if settings.task.task == "generate":
-            self._engine = load_engine(
-                config, version_dir, settings=settings, version=version, metric_factory=self._metric_factory,
-                logger=logger, instance_kind=args.get("model_instance_kind", "CPU"),
-                device_id=int(args.get("model_instance_device_id", 0) or 0))
-            self._settings = settings
-            self._batched = settings.max_batch_size > 0
-            self._outbox = _Outbox(logger)
-            logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}: "
-                        f"task 'generate'; parameters set {settings.changed()}")
-            return
+        adapter = _GenerateModel if settings.task.task == "generate" else _RowModel
+        self._model: _GenerateModel | _RowModel = adapter(config, settings, args, self._metric_factory, logger)
+        logger.info(f"loaded version {args['model_version']} from {args['model_repository']} on instance "
+                    f"{args['model_instance_name']}: task '{settings.task.task}'; parameters set {settings.changed()}")
+
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        """Answer every request of the batch Triton formed (or hand them on: see the adapters)."""
+        return self._model.execute(requests)
+
+    def finalize(self) -> None:
+        """Let the adapter finish what it holds, then send the last metrics."""
+        self._model.close()
+        self._model = None  # type: ignore[assignment]
+        self._metric_factory.close()  # the last values reach Triton before the model goes
+        self._metric_factory = None  # type: ignore[assignment]
+        # Free what only the cycle collector can, while the stub can still destroy pb_utils
+        # objects: its next pass may come at interpreter exit, after shared memory is gone,
+        # and destroying a Triton request there crashes the stub (see ``errors.as_result``).
+        gc.collect()
+
+
+def _instance(args: Mapping[str, str]) -> dict[str, Any]:
+    """Where Triton placed this instance: its kind and device."""
+    return {"instance_kind": args.get("model_instance_kind", "CPU"),
+            "device_id": int(args.get("model_instance_device_id", 0) or 0)}
+
+
+class _RowModel:
+    """A row task (embedding, classify, similarity, tensor): one response per request, from the pipeline."""
+
+    def __init__(self, config: dict[str, Any], settings: Any, args: Mapping[str, str],
+                 metric_factory: BufferedMetricFactory, logger: Logger) -> None:
+        version = args["model_version"]
         self._pipeline = load_pipeline(
-            config, version_dir, version=version, settings=settings, metric_factory=self._metric_factory,
-            logger=logger, instance_kind=args.get("model_instance_kind", "CPU"),
-            device_id=int(args.get("model_instance_device_id", 0) or 0), bls_call=_bls_call)
+            config, Path(args["model_repository"]) / version, version=version, settings=settings,
+            metric_factory=metric_factory, logger=logger, bls_call=_bls_call, **_instance(args))
         self._inputs: tuple[TensorSpec, ...] = self._pipeline.task.inputs
         self._scheduler: AdaptiveScheduler | None = None
         if settings.scheduler.scheduling == "adaptive":
@@ -156,7 +177,7 @@ class TritonPythonModel:
                             "queue; the backend's deadlines leave that much of target_p99_ms for it")
             self._scheduler = AdaptiveScheduler(
                 self._pipeline, scheduler_config(settings, triton_queue_timeout_s=queue_timeout_s),
-                SchedulerMetrics(self._metric_factory, model=settings.model_name, version=version), logger)
+                SchedulerMetrics(metric_factory, model=settings.model_name, version=version), logger)
         else:
             blockers = triton_prefetch_blockers(config)
             if blockers:
@@ -171,20 +192,15 @@ class TritonPythonModel:
             logger.warning(f"inputs {unbatched} have variable dims without allow_ragged_batch: Triton's dynamic "
                            "batcher hands over only requests of equal shapes together; set allow_ragged_batch: true "
                            "on them so requests of every length are coalesced")
-        logger.info(f"loaded version {version} from {version_dir} on instance {args['model_instance_name']}: task "
-                    f"'{settings.task.task}'; parameters set {settings.changed()}")
 
-    def execute(self, requests: list[Any]) -> list[Any] | None:
-        """Answer every request of the batch Triton formed, one response each, in order.
+    def execute(self, requests: list[Any]) -> list[Any]:
+        """One response per request, in order.
 
         Under adaptive scheduling, hand the requests to the backend's queue: those with an
         answer ready (bad input, a refusal, or computed inline on an idle executor) are
         answered here; for the others the entry is None and the scheduler thread answers
         each through its response sender.
         """
-        if self._engine is not None:
-            self._generate(requests)
-            return None
         if self._scheduler is not None:
             ready = self._scheduler.submit([self._submission(request) for request in requests])
             return [None if result is None else _response(result) for result in ready]
@@ -192,63 +208,12 @@ class TritonPythonModel:
         results = pipeline.run(pipeline.read_all([self._tensors(request) for request in requests]))
         return [_response(result) for result in results]
 
-    def _generate(self, requests: list[Any]) -> None:
-        """Hand each request to the generation engine; it answers through the request's response sender.
-
-        A bad request is answered here (``INVALID_ARG`` naming the field), its neighbours
-        queue. Under ``generation_batching: request`` this waits until the whole batch
-        has finished, so that Triton holds the next batch back (static batching).
-        """
-        engine = self._engine
-        options = self._settings.generate
-        finished = []
-        for request in requests:
-            stream = _Stream(request, self._outbox, batched=self._batched)
-            try:
-                tensors = self._generation_tensors(request)
-                oversize = check_request_bytes(tensors, self._settings.task.max_request_bytes)
-                if oversize is not None:
-                    raise oversize
-                parsed = read_generation_request(tensors, request.parameters(), options)
-                prompt = engine.prompt_tokens(parsed)
-            except CoalesceError as exc:
-                stream(GenerationEvent(final=True, error=as_result(exc)))
-                continue
-            engine.submit(parsed, stream, is_cancelled=stream.is_cancelled, prompt=prompt)
-            finished.append(stream.done)
-        if options.generation_batching == "request":
-            for done in finished:
-                done.wait()
-        return None
-
-    def _generation_tensors(self, request: Any) -> dict[str, np.ndarray]:
-        tensors: dict[str, np.ndarray] = {}
-        for name in GENERATION_INPUTS:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is not None:
-                tensors[name] = tensor.as_numpy()
-        return tensors
-
-    def finalize(self) -> None:
-        """Answer what is queued, finish shared-cache writes, release the runtime, then the metrics."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
-            self._outbox.close()
-            self._metric_factory.close()
-            self._metric_factory = None  # type: ignore[assignment]
-            gc.collect()
-            return
+    def close(self) -> None:
+        """Answer what is queued, finish shared-cache writes, release the runtime."""
         if self._scheduler is not None:
             self._scheduler.close()
         self._pipeline.close()
         self._pipeline = None  # type: ignore[assignment]
-        self._metric_factory.close()  # the last values reach Triton before the model goes
-        self._metric_factory = None  # type: ignore[assignment]
-        # Free what only the cycle collector can, while the stub can still destroy pb_utils
-        # objects: its next pass may come at interpreter exit, after shared memory is gone,
-        # and destroying a Triton request there crashes the stub (see ``errors.as_result``).
-        gc.collect()
 
     def _tensors(self, request: Any) -> dict[str, np.ndarray]:
         """The request's inputs by name, as numpy (absent optional inputs left out), in the request's own memory."""
@@ -329,6 +294,48 @@ def _response(result: RequestResult) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, value) for name, value in result.items()])
 
 
+class _GenerateModel:
+    """Task ``generate``: each request goes to the generation engine, which answers through its response sender."""
+
+    def __init__(self, config: dict[str, Any], settings: Any, args: Mapping[str, str],
+                 metric_factory: BufferedMetricFactory, logger: Logger) -> None:
+        version = args["model_version"]
+        self._engine = load_engine(config, Path(args["model_repository"]) / version, settings=settings,
+                                   version=version, metric_factory=metric_factory, logger=logger, **_instance(args))
+        self._static = settings.generate.generation_batching == "request"
+        self._batched = settings.max_batch_size > 0
+        self._outbox = _Outbox(logger)
+
+    def execute(self, requests: list[Any]) -> None:
+        """Hand each request to the engine; a bad or refused one is answered here, its neighbours still queue.
+
+        Under ``generation_batching: request`` this waits until the whole batch has
+        finished, so that Triton holds the next batch back (static batching).
+        """
+        finished = []
+        for request in requests:
+            stream = _Stream(request, self._outbox, batched=self._batched)
+            tensors = {}
+            for name in GENERATION_INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    tensors[name] = tensor.as_numpy()
+            try:
+                self._engine.submit(tensors, request.parameters(), stream, is_cancelled=stream.is_cancelled)
+            except CoalesceError as exc:
+                stream(GenerationEvent(final=True, error=as_result(exc)))
+                continue
+            finished.append(stream.done)
+        if self._static:
+            for done in finished:
+                done.wait()
+
+    def close(self) -> None:
+        """Let running requests finish (up to the engine's drain), then send what is queued."""
+        self._engine.close()
+        self._outbox.close()
+
+
 class _Outbox:
     """Sends generation responses from its own thread, in the order they were put.
 
@@ -371,7 +378,7 @@ class _Stream:
         self._request: Any = request
         self._sender = request.get_response_sender()
         self._outbox = outbox
-        self._shape = (1, 1) if batched else (1,)
+        self._batched = batched
         # Once the final response is out, Triton frees the request's response factory: asking
         # whether it was cancelled after that reads freed memory and crashes the server.
         self._lock = threading.Lock()
@@ -391,11 +398,13 @@ class _Stream:
             try:
                 if self._request is None:
                     return  # already final
-                if event.error is not None:
-                    response = pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(event.error))
+                if event.error is not None or event.request is None:
+                    error = event.error or RuntimeFailure("the engine answered without the request it read")
+                    response = pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(error))
                 else:
-                    text = np.array([event.text.encode("utf-8")], dtype=np.object_).reshape(self._shape)
-                    response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(TEXT_OUTPUT, text)])
+                    outputs = response_outputs(event.request, event, batched=self._batched)
+                    response = pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
                 self._sender.send(response, flags=flags)
             finally:
                 if event.final:

@@ -225,7 +225,7 @@ def complete_config(config: Mapping[str, Any], version_dir: Path | None) -> Comp
     settings = read_settings(config)
     notes: list[str] = []
     if settings.task.task == "generate":
-        from coalesce.generation.loader import contract_completion
+        from coalesce.generation.contract import contract_completion
 
         inputs, outputs = contract_completion(config)
         if inputs or outputs:

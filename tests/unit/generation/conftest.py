@@ -12,11 +12,14 @@ from coalesce.settings import ModelSettings
 torch = pytest.importorskip("torch")
 
 
-def generate_config(name: str = "lm", **parameters: str) -> dict:
-    """A decoupled config of the generate task with ``parameters``."""
+def generate_config(name: str = "lm", *, outputs: bool = True, **parameters: str) -> dict:
+    """A decoupled config of the generate task with ``parameters``: every contract output (or only text_output)."""
+    from coalesce.generation.contract import OUTPUTS
+
+    declared = [{"name": n, "data_type": t, "dims": list(d)} for n, t, d in (OUTPUTS if outputs else OUTPUTS[:1])]
     return {"name": name, "model_transaction_policy": {"decoupled": True},
             "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]}],
-            "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}],
+            "output": declared,
             "parameters": {"task": {"string_value": "generate"}, "max_sequence_length": {"string_value": "512"},
                            **{k: {"string_value": v} for k, v in parameters.items()}}}
 

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from coalesce.core.errors import CoalesceError
 from coalesce.generation.engine import GenerationEngine
 from coalesce.generation.events import GenerationEvent
-from coalesce.generation.request import read_request
 from tests.unit.generation.conftest import make_engine
 
 torch = pytest.importorskip("torch")
@@ -44,7 +44,10 @@ def submit(engine: GenerationEngine, prompt: str, **sampling) -> Collect:
     stream = parameters.pop("stream", False)
     tensors = {"text_input": np.array([prompt.encode()], dtype=object), "stream": np.array([stream])}
     sink = Collect()
-    engine.submit(read_request(tensors, parameters, engine.options), sink)
+    try:
+        engine.submit(tensors, parameters, sink)
+    except CoalesceError as exc:  # what the Triton adapter does with a refusal: the request's only response
+        sink(GenerationEvent(final=True, error=exc))
     return sink
 
 
@@ -206,8 +209,7 @@ def test_a_cancelled_request_leaves_within_one_step(llama_dir):
     cancelled = threading.Event()
     sink = Collect()
     tensors = {"text_input": np.array([b"def a"], dtype=object)}
-    engine.submit(read_request(tensors, {"max_tokens": 100, "temperature": 0}, engine.options), sink,
-                  is_cancelled=cancelled.is_set)
+    engine.submit(tensors, {"max_tokens": 100, "temperature": 0}, sink, is_cancelled=cancelled.is_set)
     neighbour = submit(engine, "def b", max_tokens=20)
     engine.step()
     held = engine.pool.usage().used

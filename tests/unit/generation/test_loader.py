@@ -5,34 +5,39 @@ from __future__ import annotations
 import pytest
 
 from coalesce.core.errors import ConfigError
-from coalesce.generation.loader import check_contract
+from coalesce.generation.contract import INPUT_NAMES, check_contract
 from coalesce.loader import complete_config
 from coalesce.settings import ModelSettings, SettingsError
 from tests.unit.generation.conftest import generate_config, make_engine
 
 
 def test_the_config_must_be_decoupled_with_the_vllm_tensors():
+    assert check_contract("lm", generate_config(outputs=False)) == frozenset(), "only text_output: no other output"
     config = generate_config()
-    settings = ModelSettings.from_model_config(config)
-    check_contract(settings, config)
+    assert len(check_contract("lm", config)) == 5
     with pytest.raises(ConfigError, match="decoupled: true"):
-        check_contract(settings, {**config, "model_transaction_policy": {}})
+        check_contract("lm", {**config, "model_transaction_policy": {}})
     with pytest.raises(ConfigError, match="text_input"):
-        check_contract(settings, {**config, "input": []})
+        check_contract("lm", {**config, "input": []})
     wrong = {**config, "input": [{"name": "text_input", "data_type": "TYPE_FP32", "dims": [1]}]}
     with pytest.raises(ConfigError, match="TYPE_STRING"):
-        check_contract(settings, wrong)
+        check_contract("lm", wrong)
     extra = {**config, "input": [*config["input"], {"name": "prompt", "data_type": "TYPE_STRING", "dims": [1]}]}
     with pytest.raises(ConfigError, match="prompt"):
-        check_contract(settings, extra)
+        check_contract("lm", extra)
 
 
 def test_auto_completion_adds_the_contract_and_decoupling():
     completion = complete_config({"name": "lm", "parameters": {"task": {"string_value": "generate"}}}, None)
     assert completion.decoupled and completion.max_batch_size is None
-    assert [t.name for t in completion.inputs] == ["text_input", "stream", "sampling_parameters",
-                                                   "exclude_input_in_output"]
-    assert [t.name for t in completion.outputs] == ["text_output"]
+    assert tuple(t.name for t in completion.inputs) == INPUT_NAMES
+    assert [t.name for t in completion.inputs][:4] == ["text_input", "stream", "sampling_parameters",
+                                                       "exclude_input_in_output"]
+    assert [t.name for t in completion.outputs] == ["text_output", "finish_reason", "cumulative_logprob", "logprobs",
+                                                    "num_input_tokens", "num_output_tokens"]
+    partial = complete_config({**generate_config(outputs=False), "parameters": {"task": {"string_value": "generate"}}}, None)
+    assert "text_input" not in [t.name for t in partial.inputs], "declared tensors are not added again"
+    assert [t.name for t in partial.outputs][0] == "finish_reason"
 
 
 @pytest.mark.parametrize(("key", "value", "match"), [

@@ -1,10 +1,14 @@
 """Continuous batching: one forward pass per step over every active sequence; sequences join and leave each step.
 
-Requests queue in ``submit`` (from Triton's ``execute``) and join at the next step when
-the KV cache has room for their prompt and ``max_tokens`` (prefix blocks already
-computed are shared, see ``coalesce.generation.blocks``). Each step packs one token per
+Requests are read and checked in ``submit`` (from Triton's ``execute``; bad input raises
+there), queue in priority order (``priority_level``: lower first, first come first
+served within a level), and join at the next step when the running set and the KV cache
+have room for their prompt and ``max_tokens`` (prefix blocks already computed are
+shared, see ``coalesce.generation.blocks``). Each step packs one token per
 decoding sequence and chunks of prompts up to ``max_prefill_tokens``, so decoding
-never stalls behind a long prompt, runs one forward pass, samples, and answers: a
+never stalls behind a long prompt, runs one forward pass, samples every sequence at once
+(``coalesce.generation.sampling``; structured output masks each constrained sequence's
+logits first), and answers: a
 streaming request gets its new text every step, and a sequence that ends (``max_tokens``,
 end of sequence, a stop string, the context) gets its final response and frees its
 blocks the same step. A cancelled request is dropped within one step. With
@@ -14,7 +18,7 @@ runs until its last sequence ends: static batching, for comparison.
 
 from __future__ import annotations
 
-import collections
+import bisect
 import concurrent.futures
 import dataclasses
 import itertools
@@ -36,15 +40,18 @@ from coalesce.core.errors import (
     UnavailableError,
 )
 from coalesce.generation.blocks import BlockPool, prefix_digests
+from coalesce.generation.contract import ADDITIONAL_OUTPUTS, GenerationRequest, read_request
 from coalesce.generation.events import FINISH_LENGTH, FINISH_STOP, GenerationEvent, Sink
 from coalesce.generation.model import CausalLM, KVCache, StepInput
-from coalesce.generation.request import GenerationRequest
-from coalesce.generation.sampling import sample
+from coalesce.generation.sampling import Choice, Penalties, Row, sample
 from coalesce.generation.text import IncrementalText
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import GenerationMetrics
 from coalesce.runtimes.cores import CoreBoard, marked
 from coalesce.settings import GenerateOptions
+
+#: The level of a request that sets no ``priority_level`` (Triton's convention: 1 is the highest).
+DEFAULT_PRIORITY_LEVEL = 1
 
 
 class Tokenizer(Protocol):
@@ -71,6 +78,15 @@ class _Sequence:
     generator: torch.Generator | None
     total_tokens: int
     digests: list[bytes]
+    #: Admission order: (priority level, arrival number); lower first.
+    order: tuple[int, int] = (0, 0)
+    penalties: Penalties | None = None
+    #: The structured-output matcher (``coalesce.generation.constraints``), or None.
+    matcher: Any = None
+    cumulative_logprob: float = 0.0
+    #: Tokens generated since the last response, and their log-probability entries where asked.
+    unsent_tokens: int = 0
+    unsent_logprobs: list[dict[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
     #: The cache slot of each position the sequence may fill (its blocks are all taken when it joins).
@@ -98,14 +114,22 @@ class GenerationEngine:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, options: GenerateOptions, *, context_length: int,
                  metrics: GenerationMetrics, logger: Logger, start: bool = True,
-                 board: CoreBoard | None = None) -> None:
+                 board: CoreBoard | None = None, grammars: Any = None,
+                 declared_outputs: frozenset[str] = frozenset(ADDITIONAL_OUTPUTS),
+                 max_request_bytes: int = 0) -> None:
         """Allocate the KV cache from ``options.kv_cache_bytes``; start the step thread unless ``start`` is False.
 
         ``context_length``: most tokens of one sequence, prompt included (capped to what the pool holds).
         ``board``: the server's core board, marked around each forward pass so that the server's
         other models keep to their own share of the cores while this one generates.
+        ``grammars``: compiles structured-output guides (``constraints.GrammarCompiler``;
+        None: built on the first request that asks). ``declared_outputs``: the additional
+        outputs the model's config declares. ``max_request_bytes``: largest request (0: any).
         """
         self.model = model
+        self.grammars = grammars
+        self.declared_outputs = declared_outputs
+        self.max_request_bytes = max_request_bytes
         self.board = board
         self.tokenizer = tokenizer
         self.options = options
@@ -124,7 +148,7 @@ class GenerationEngine:
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._inbox: list[_Sequence] = []
-        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._waiting: list[_Sequence] = []  # sorted by ``order``
         self._running: list[_Sequence] = []
         self._closed = False
         self._abandoned = False
@@ -154,41 +178,71 @@ class GenerationEngine:
                                     "max_sequence_length, the model's own limit and kv_cache_bytes cap it)")
         return ids
 
-    def submit(self, request: GenerationRequest, sink: Sink, *, is_cancelled: Callable[[], bool] | None = None,
-               prompt: list[int] | None = None) -> None:
-        """Queue a request; ``sink`` gets its responses, from the step thread (errors included, always a final one).
+    def read(self, tensors: dict[str, np.ndarray], parameters: str | dict[str, Any] | None) -> GenerationRequest:
+        """One request read and checked under the contract (``coalesce.generation.contract``).
 
-        Refused at once (``UNAVAILABLE`` through ``sink``) when ``max_waiting_sequences`` wait already.
+        Raises:
+            InvalidInputError: Naming what is wrong.
         """
+        from coalesce.core.limits import check_request_bytes
+
+        oversize = check_request_bytes(tensors, self.max_request_bytes)
+        if oversize is not None:
+            raise oversize
+        return read_request(tensors, parameters, self.options, declared_outputs=self.declared_outputs)
+
+    def submit(self, tensors: dict[str, np.ndarray], parameters: str | dict[str, Any] | None, sink: Sink, *,
+               is_cancelled: Callable[[], bool] | None = None) -> GenerationRequest:
+        """Read, check and queue one request; ``sink`` then gets its responses from the step thread.
+
+        Its last event is final (an error included). Returns the request as read.
+
+        Raises:
+            InvalidInputError: If the request is bad (nothing is queued, ``sink`` gets nothing).
+            UnavailableError: If ``max_waiting_sequences`` wait already, or the model is closing.
+        """
+        request = self.read(tensors, parameters)
+        self.enqueue(request, sink, is_cancelled=is_cancelled)
+        return request
+
+    def enqueue(self, request: GenerationRequest, sink: Sink, *,
+                is_cancelled: Callable[[], bool] | None = None) -> None:
+        """Queue a request already read (``read``); raises as ``submit`` does."""
         now = time.perf_counter()
-        try:
-            ids = prompt if prompt is not None else self.prompt_tokens(request)
-        except CoalesceError as exc:
-            sink(GenerationEvent(final=True, error=exc))
-            return
+        ids = self.prompt_tokens(request)
         sampling = request.sampling
+        matcher = None
+        if sampling.guide is not None:
+            matcher = self._grammars().matcher(sampling.guide)
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             generator = torch.Generator().manual_seed(seed)
         digests = prefix_digests(ids, self.pool.block_tokens) if self.pool.prefix_cache else []
+        number = next(self._ids)
         sequence = _Sequence(
-            id=next(self._ids), request=request, prompt=ids, sink=sink, is_cancelled=is_cancelled, arrived_s=now,
-            text=IncrementalText(self.tokenizer, sampling.stop), generator=generator,
-            total_tokens=min(len(ids) + sampling.max_tokens, self.context_length), digests=digests)
+            id=number, request=request, prompt=ids, sink=sink, is_cancelled=is_cancelled, arrived_s=now,
+            text=IncrementalText(self.tokenizer, sampling.stop, stop_after_tokens=sampling.min_tokens),
+            generator=generator, total_tokens=min(len(ids) + sampling.max_tokens, self.context_length),
+            digests=digests, order=(request.priority_level or DEFAULT_PRIORITY_LEVEL, number), matcher=matcher,
+            penalties=Penalties(ids, self.model.vocab_size) if sampling.penalised else None)
         with self._lock:
             if self._closed:
-                refusal: CoalesceError | None = UnavailableError("the model is being unloaded")
-            elif len(self._waiting) + len(self._inbox) >= self.options.max_waiting_sequences:
-                refusal = UnavailableError(f"{len(self._waiting) + len(self._inbox)} requests already wait to join "
-                                           f"(parameter max_waiting_sequences); retry later")
+                raise UnavailableError("the model is being unloaded")
+            waiting = len(self._waiting) + len(self._inbox)
+            if waiting >= self.options.max_waiting_sequences:
                 self.metrics.refusals["queue_full"].increment(1)
-            else:
-                refusal = None
-                self._inbox.append(sequence)
-                self._lock.notify()
-        if refusal is not None:
-            sink(GenerationEvent(final=True, error=refusal))
+                raise UnavailableError(f"{waiting} requests already wait to join (parameter max_waiting_sequences); "
+                                       "retry later")
+            self._inbox.append(sequence)
+            self._lock.notify()
+
+    def _grammars(self) -> Any:
+        if self.grammars is None:
+            from coalesce.generation.constraints import GrammarCompiler
+
+            self.grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids)
+        return self.grammars
 
     def close(self, *, drain_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish for up to ``drain_s``, then end the rest."""
@@ -248,7 +302,8 @@ class GenerationEngine:
         """
         now = time.perf_counter()
         with self._lock:
-            self._waiting.extend(self._inbox)
+            for sequence in self._inbox:
+                bisect.insort(self._waiting, sequence, key=lambda s: s.order)
             self._inbox.clear()
         watched = [s for s in (*self._running, *self._waiting) if s.is_cancelled is not None]
         check = self._checker.submit(_cancelled, watched) if watched else None
@@ -282,12 +337,12 @@ class GenerationEngine:
         if options.generation_batching == "request" and self._running:
             return  # static batching: the batch runs until its last sequence ends
         while self._waiting and len(self._running) < options.max_active_sequences:
-            sequence = self._waiting[0]
+            sequence = self._waiting[0]  # the first in priority order: no later one overtakes it
             reusable = sequence.digests[:(len(sequence.prompt) - 1) // self.pool.block_tokens]
             allocation = self.pool.allocate(sequence.total_tokens, reusable)
             if allocation is None:
                 break
-            self._waiting.popleft()
+            self._waiting.pop(0)
             sequence.blocks = allocation.blocks
             block = self.pool.block_tokens
             sequence.slots = (np.asarray(allocation.blocks, dtype=np.int64)[:, None] * block
@@ -299,8 +354,8 @@ class GenerationEngine:
             self.metrics.queue_seconds.observe(now - sequence.arrived_s)
             self._running.append(sequence)
         limit_s = options.max_queue_wait_ms / 1000
-        while self._waiting and now - self._waiting[0].arrived_s > limit_s:
-            sequence = self._waiting.popleft()
+        for sequence in [s for s in self._waiting if now - s.arrived_s > limit_s]:
+            self._waiting.remove(sequence)
             usage = self.pool.usage()
             self.metrics.refusals["kv_full"].increment(1)
             self._fail(sequence, UnavailableError(
@@ -346,14 +401,15 @@ class GenerationEngine:
     def _advance(self, members: list[tuple[_Sequence, int, bool]], logits: torch.Tensor) -> None:
         now = time.perf_counter()
         wanting = [sequence for sequence, _, wants in members if wants]
-        tokens = sample(logits, [s.request.sampling for s in wanting], [s.generator for s in wanting])
-        chosen = dict(zip((id(s) for s in wanting), tokens, strict=True))
+        choices = self._sample(wanting, logits)
+        chosen = dict(zip((id(s) for s in wanting), choices, strict=True))
         for sequence, count, wants in members:
             sequence.computed += count
             self._register_prefix(sequence)
             if not wants:
                 continue
-            token = chosen[id(sequence)]
+            choice = chosen[id(sequence)]
+            token = choice.token
             sequence.generated.append(token)
             self.metrics.generated_tokens.increment(1)
             if len(sequence.generated) == 1:
@@ -362,21 +418,65 @@ class GenerationEngine:
             else:
                 self.metrics.inter_token_seconds.observe(now - sequence.last_token_s)
             sequence.last_token_s = now
-            if token not in self.model.eos_token_ids:
+            if sequence.penalties is not None:
+                sequence.penalties.add(token)
+            if sequence.matcher is not None:
+                sequence.matcher.accept(token)
+            before = len(sequence.text.text)
+            if token not in self.model.eos_token_ids and token not in sequence.request.sampling.stop_token_ids:
                 sequence.text.add(token)
             finish = self._finish_reason(sequence, token)
             if finish is not None:
                 sequence.text.finish()
+            sequence.unsent_tokens += 1
+            if sequence.request.wants_logprobs:
+                self._record_logprob(sequence, choice, sequence.text.text[before:])
             self._answer(sequence, finish)
             if finish is not None:
                 self._release(sequence)
                 self.metrics.finished[finish].increment(1)
 
+    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[Choice]:
+        """Each sequence's next token: structured-output masks, then one batched sampling over all of them."""
+        guided = [(row, s.matcher) for row, s in enumerate(sequences) if s.matcher is not None]
+        if guided:
+            from coalesce.generation.constraints import apply_bitmask, new_bitmask
+
+            bitmask = new_bitmask(len(sequences), logits.shape[1])
+            for row, matcher in guided:
+                matcher.fill(bitmask, row)
+            apply_bitmask(logits, bitmask, [row for row, _ in guided])
+        rows = []
+        for sequence in sequences:
+            sampling = sequence.request.sampling
+            banned: tuple[int, ...] = ()
+            if len(sequence.generated) < sampling.min_tokens:
+                banned = (*self.model.eos_token_ids, *sampling.stop_token_ids)
+            rows.append(Row(sampling, sequence.generator, sequence.penalties, banned,
+                            logprobs=(sampling.logprobs or 0) if sequence.request.wants_logprobs else None))
+        return sample(logits, rows)
+
+    def _record_logprob(self, sequence: _Sequence, choice: Choice, text: str) -> None:
+        """Add the sampled token's log probability, and its entry (vLLM's shape) where ``logprobs`` was asked."""
+        sequence.cumulative_logprob += choice.logprob
+        if sequence.request.sampling.logprobs is None:
+            return
+        # The sampled token's text is what it added to the output, so the entries' rank-1 texts
+        # add up to the text; the other tokens are decoded alone, as vLLM does.
+        entry = {str(choice.token): {"logprob": choice.logprob, "rank": choice.rank, "decoded_token": text}}
+        for rank, (token, logprob) in enumerate(choice.top, start=1):
+            if token != choice.token:
+                entry[str(token)] = {"logprob": logprob, "rank": rank,
+                                     "decoded_token": self.tokenizer.decode([token], skip_special_tokens=False)}
+        sequence.unsent_logprobs.append(entry)
+
     def _finish_reason(self, sequence: _Sequence, token: int) -> str | None:
         sampling = sequence.request.sampling
         if token in self.model.eos_token_ids and not sampling.ignore_eos:
             return FINISH_STOP
-        if sequence.text.stopped:
+        if token in sampling.stop_token_ids or sequence.text.stopped:
+            return FINISH_STOP
+        if sequence.matcher is not None and sequence.matcher.is_finished:
             return FINISH_STOP
         if len(sequence.generated) >= sampling.max_tokens or sequence.length >= sequence.total_tokens:
             return FINISH_LENGTH
@@ -392,9 +492,13 @@ class GenerationEngine:
             return
         if request.prepend_prompt:
             text = request.prompt + text
-        self._send(sequence, GenerationEvent(text=text, final=final, finish_reason=finish,
-                                             prompt_tokens=len(sequence.prompt),
-                                             generated_tokens=len(sequence.generated)))
+        self._send(sequence, GenerationEvent(
+            text=text, final=final, finish_reason=finish, prompt_tokens=len(sequence.prompt),
+            generated_tokens=len(sequence.generated), new_tokens=sequence.unsent_tokens,
+            cumulative_logprob=sequence.cumulative_logprob, logprobs=tuple(sequence.unsent_logprobs),
+            request=request))
+        sequence.unsent_tokens = 0
+        sequence.unsent_logprobs = []
 
     def _register_prefix(self, sequence: _Sequence) -> None:
         full = min(sequence.computed, len(sequence.prompt)) // self.pool.block_tokens
@@ -414,7 +518,7 @@ class GenerationEngine:
             self._release(sequence)
         self.metrics.failures.increment(1)
         self._send(sequence, GenerationEvent(final=True, error=error, prompt_tokens=len(sequence.prompt),
-                                             generated_tokens=len(sequence.generated)))
+                                             generated_tokens=len(sequence.generated), request=sequence.request))
 
     def _send(self, sequence: _Sequence, event: GenerationEvent) -> None:
         try:

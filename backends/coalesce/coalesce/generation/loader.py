@@ -9,56 +9,10 @@ from typing import Any
 
 from coalesce.core.errors import ConfigError
 from coalesce.core.task import version_file
-from coalesce.core.tensors import TensorSpec
+from coalesce.generation.contract import check_contract
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import GenerationMetrics, InMemoryMetricFactory, MetricFactory
 from coalesce.settings import ModelSettings
-
-#: The decoupled contract of Triton's vLLM backend: (name, type, optional), each of dims ``[1]``.
-INPUTS: tuple[tuple[str, str, bool], ...] = (
-    ("text_input", "TYPE_STRING", False), ("stream", "TYPE_BOOL", True),
-    ("sampling_parameters", "TYPE_STRING", True), ("exclude_input_in_output", "TYPE_BOOL", True))
-OUTPUTS: tuple[tuple[str, str], ...] = (("text_output", "TYPE_STRING"),)
-#: The input names a request may carry.
-GENERATION_INPUTS: tuple[str, ...] = tuple(name for name, _, _ in INPUTS)
-
-
-def contract_completion(config: Mapping[str, Any]) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The contract's inputs and outputs, each only where the config declares no tensor of that kind."""
-    inputs = [] if config.get("input") else [TensorSpec(n, t, (1,), optional=o) for n, t, o in INPUTS]
-    outputs = [] if config.get("output") else [TensorSpec(n, t, (-1,)) for n, t in OUTPUTS]
-    return inputs, outputs
-
-
-def check_contract(settings: ModelSettings, config: Mapping[str, Any]) -> None:
-    """The config must be decoupled and declare the vLLM backend's tensors.
-
-    Raises:
-        ConfigError: Naming the model and what to change.
-    """
-    name = settings.model_name
-    policy = config.get("model_transaction_policy") or {}
-    if not policy.get("decoupled"):
-        raise ConfigError(f"model '{name}': task 'generate' streams its responses; set "
-                          "model_transaction_policy { decoupled: true }")
-    declared = {t.get("name"): t for t in config.get("input", [])}
-    for tensor, data_type, optional in INPUTS:
-        entry = declared.get(tensor)
-        if entry is None:
-            if not optional:
-                raise ConfigError(f"model '{name}': task 'generate' needs input '{tensor}' ({data_type}, dims [1])")
-            continue
-        if entry.get("data_type") != data_type:
-            raise ConfigError(f"model '{name}': input '{tensor}' is {entry.get('data_type')}; task 'generate' "
-                              f"needs {data_type}")
-    outputs = {t.get("name"): t for t in config.get("output", [])}
-    for tensor, data_type in OUTPUTS:
-        if tensor not in outputs or outputs[tensor].get("data_type") != data_type:
-            raise ConfigError(f"model '{name}': task 'generate' needs output '{tensor}' ({data_type}, dims [-1])")
-    extra = sorted(set(declared) - {t for t, _, _ in INPUTS})
-    if extra:
-        raise ConfigError(f"model '{name}': task 'generate' reads no input {extra}; its inputs are "
-                          f"{', '.join(t for t, _, _ in INPUTS)}")
 
 
 def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: ModelSettings, version: str = "1",
@@ -83,7 +37,7 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
 
     name = settings.model_name
     logger = logger or Logger(name)
-    check_contract(settings, config)
+    declared_outputs = check_contract(name, config)
     model_dir = version_file(version_dir, settings.runtime.torch_model_dir)
     tokenizer_path = model_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
@@ -104,7 +58,8 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
 
             board = open_board(threads, logger.warning)
         engine = GenerationEngine(model, tokenizer, options, context_length=context, metrics=metrics, logger=logger,
-                                  start=start, board=board)
+                                  start=start, board=board, declared_outputs=declared_outputs,
+                                  max_request_bytes=settings.task.max_request_bytes)
     except ConfigError as exc:
         raise ConfigError(f"model '{name}': {exc}") from None
     logger.info(f"generate: {model.model.config.model_type} on {device} ({str(dtype).removeprefix('torch.')}, "

@@ -28,9 +28,14 @@ class Decoder(Protocol):
 class IncrementalText:
     """The text of one sequence's generated tokens, grown one token at a time."""
 
-    def __init__(self, decoder: Decoder, stop: tuple[str, ...] = ()) -> None:
-        """Decode with ``decoder``; finish at the first of ``stop`` (which is left out of the text)."""
+    def __init__(self, decoder: Decoder, stop: tuple[str, ...] = (), *, stop_after_tokens: int = 0) -> None:
+        """Decode with ``decoder``; finish at the first of ``stop`` (which is left out of the text).
+
+        Stop strings are looked for only in text that comes after ``stop_after_tokens``
+        tokens (a request's ``min_tokens``).
+        """
         self._decoder = decoder
+        self._stop_after_tokens = stop_after_tokens
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -51,7 +56,7 @@ class IncrementalText:
         self.text += full[len(prefix):]
         self._prefix_offset = max(len(self._ids) - CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
-        if self._stop:
+        if self._stop and len(self._ids) >= self._stop_after_tokens:
             cut = min((i for i in (self.text.find(s, searched_from) for s in self._stop) if i >= 0), default=-1)
             if cut >= 0:
                 self.text = self.text[:cut]

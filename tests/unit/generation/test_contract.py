@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coalesce.core.errors import InvalidInputError
-from coalesce.generation.request import read_request
+from coalesce.generation.contract import read_request
 from coalesce.settings import GenerateOptions
 
 OPTIONS = GenerateOptions(max_tokens_limit=100, default_max_tokens=16)
