@@ -64,8 +64,9 @@ bench-openai:          ## the gateway: /v1/embeddings vs gRPC vs Infinity, chat 
 	@bash scripts/setup_peers.sh infinity
 	$(BIN)/python -m perf.gateway $(BENCH_ARGS)
 
-bench-generate:        ## tinylm: continuous batching vs static (Triton-batched) vs one at a time, 16 streams + Poisson; writes perf/results/generate-*
+bench-generate:        ## smollm2: continuous batching vs static (Triton-batched) vs one at a time at 16 streams, and vs llama.cpp's llama-server (built once under .bench/) at 16 and 1 streams; writes perf/results/generate-*
 	@bash scripts/setup.sh --dev
+	@bash scripts/setup_peers.sh llama-server >/dev/null
 	$(BIN)/python -m perf.generate $(BENCH_ARGS)
 
 bench-bulk:            ## coalesce-client batch through one server vs the offline limit, and $/1M rows vs online c=16; writes perf/results/bulk-*

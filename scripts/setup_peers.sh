@@ -2,9 +2,11 @@
 # Idempotent set-up of the peers `python -m perf.peers` compares Coalesce with, each in its own
 # virtual environment under .bench/ (they pin libraries the project's .venv cannot hold: Infinity
 # wants numpy<2 and its own transformers, Ray Serve its own pydantic and starlette). A venv whose
-# stamp matches the pins below is kept, so a second run takes a second.
-#   bash scripts/setup_peers.sh            # both peers
-#   bash scripts/setup_peers.sh ray        # one of: infinity, ray
+# stamp matches the pins below is kept, so a second run takes a second. llama-server (llama.cpp's own
+# server, the peer of `make bench-generate`) ships no binary here: it is built from the llama.cpp source
+# that the llama-cpp-python sdist vendors, into .bench/llama.cpp/.
+#   bash scripts/setup_peers.sh                # infinity and ray
+#   bash scripts/setup_peers.sh ray            # one of: infinity, ray, llama-server
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +51,52 @@ make_venv() {  # make_venv NAME PIN...: .bench/venv-NAME with exactly these pins
   say "$name: ready"
 }
 
+# llama.cpp as llama-cpp-python 0.3.36 vendors it (its vendor/llama.cpp). Only the llama-server target
+# is built: Release, CPU only (no GPU back end is enabled), native CPU flags (the binary runs where it
+# was built, as .bench/ never travels), no curl/OpenSSL (the bench hands it a local GGUF file) and no
+# web UI (the prebuilt one would be downloaded from Hugging Face).
+LLAMA_CPP_PYTHON=0.3.36
+LLAMA_DIR=$BENCH/llama.cpp
+LLAMA_SERVER=$LLAMA_DIR/build/bin/llama-server
+
+build_llama_server() {
+  local stamp src sdist
+  stamp=$(printf '%s\n' "llama-cpp-python==$LLAMA_CPP_PYTHON" "Release native cpu" "$(uname -m)")
+  if [ -x "$LLAMA_SERVER" ] && [ -f "$LLAMA_DIR/.peers-stamp" ] && [ "$(cat "$LLAMA_DIR/.peers-stamp")" = "$stamp" ]; then
+    say "llama-server: up to date"
+    echo "$(pwd)/$LLAMA_SERVER"
+    return 0
+  fi
+  # cmake and a C++ compiler from apt (Debian/Ubuntu, as scripts/setup.sh assumes): the vendored
+  # llama.cpp wants cmake >= 3.14, which every supported release's apt has.
+  if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    say "llama-server: installing cmake and build-essential (apt)"
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq cmake build-essential >/dev/null
+  fi
+  sdist=$BENCH/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz
+  if [ ! -f "$sdist" ]; then
+    say "llama-server: downloading the llama-cpp-python $LLAMA_CPP_PYTHON sdist (77 MB)"
+    local pip=(.venv/bin/python -m pip)
+    [ -x .venv/bin/python ] || pip=("$PYTHON" -m pip)
+    "${pip[@]}" download -q --no-binary :all: --no-deps -d "$BENCH/sdist" "llama-cpp-python==$LLAMA_CPP_PYTHON" >&2
+  fi
+  src=$LLAMA_DIR/src
+  rm -rf "$LLAMA_DIR"
+  mkdir -p "$src"
+  tar -xzf "$sdist" -C "$src" --strip-components=3 "llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp"
+  say "llama-server: building (cmake, Release, -j2 at nice 19: a few minutes on 2 cores)"
+  nice -n 19 cmake -S "$src" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >&2
+  nice -n 19 cmake --build "$LLAMA_DIR/build" --config Release --target llama-server -j2 >&2
+  "$LLAMA_SERVER" --version >&2
+  printf '%s' "$stamp" > "$LLAMA_DIR/.peers-stamp"
+  say "llama-server: ready"
+  echo "$(pwd)/$LLAMA_SERVER"
+}
+
 mkdir -p "$BENCH"
 peers=("$@")
 [ ${#peers[@]} -gt 0 ] || peers=(infinity ray)
@@ -56,6 +104,7 @@ for peer in "${peers[@]}"; do
   case "$peer" in
     infinity) make_venv infinity "${INFINITY_PINS[@]}" ;;
     ray) make_venv ray "${RAY_PINS[@]}" ;;
-    *) say "unknown peer $peer (expected infinity or ray)"; exit 2 ;;
+    llama-server) build_llama_server ;;
+    *) say "unknown peer $peer (expected infinity, ray or llama-server)"; exit 2 ;;
   esac
 done

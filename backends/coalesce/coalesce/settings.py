@@ -198,7 +198,8 @@ class RuntimeOptions:
     torch_model_dir: str = _spec(
         "hf", "Hugging Face weights folder for the torch runtime (text tasks), relative to the version folder.")
     precision: str = _spec(
-        "fp32", "Compute precision: `fp16` for the torch runtime on CUDA (halves memory, uses tensor cores); "
+        "fp32", "Compute precision: `fp16` for the torch runtime on CUDA (halves memory, uses tensor cores), and for "
+        "task `generate` on the CPU fp16 weights computed in float32 (half the bytes each decoding step reads); "
         "`int8` for ONNX Runtime on the CPU (tasks embedding and similarity): runs `int8_onnx_file`, a graph with "
         "8-bit weights (`coalesce export --int8`), and loads only if its vectors pass the accuracy guard against "
         "`onnx_file`; `auto`: `int8` where `coalesce export --int8` found, on this CPU, an INT8 graph that passes "

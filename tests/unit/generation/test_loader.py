@@ -35,9 +35,10 @@ def test_auto_completion_adds_the_contract_and_decoupling():
                                                        "exclude_input_in_output"]
     assert [t.name for t in completion.outputs] == ["text_output", "finish_reason", "cumulative_logprob", "logprobs",
                                                     "num_input_tokens", "num_output_tokens"]
-    partial = complete_config({**generate_config(outputs=False), "parameters": {"task": {"string_value": "generate"}}}, None)
+    minimal = {**generate_config(outputs=False), "parameters": {"task": {"string_value": "generate"}}}
+    partial = complete_config(minimal, None)
     assert "text_input" not in [t.name for t in partial.inputs], "declared tensors are not added again"
-    assert [t.name for t in partial.outputs][0] == "finish_reason"
+    assert next(t.name for t in partial.outputs) == "finish_reason"
 
 
 @pytest.mark.parametrize(("key", "value", "match"), [

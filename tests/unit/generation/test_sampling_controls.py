@@ -8,8 +8,10 @@ follow the vLLM backend's contract; priority orders admission when the batch is 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -118,7 +120,7 @@ def test_additional_outputs_follow_the_vllm_contract(llama_dir):
     prompt_tokens = len(engine.tokenizer.encode("def main").ids)
     assert sum(counts) == 12 and all(int(o["num_input_tokens"][0]) == prompt_tokens for o in outputs)
     cumulative = [float(o["cumulative_logprob"][0]) for o in outputs]
-    assert all(b < a for a, b in zip(cumulative, cumulative[1:], strict=False)), cumulative
+    assert all(b < a for a, b in itertools.pairwise(cumulative)), cumulative
     texts = []
     for output, count in zip(outputs, counts, strict=True):
         entries = json.loads(output["logprobs"][0])
@@ -175,3 +177,44 @@ def test_bad_values_of_the_new_controls_name_the_field(llama_dir):
         with pytest.raises(InvalidInputError, match=f"'{field}'"):
             engine.submit({"text_input": np.array([" ".join(WORDS).encode()], dtype=object)}, parameters,
                           lambda event: None)
+
+
+def test_constrained_sequences_in_the_batch_follow_their_guides_alone_and_batched(llama_dir):
+    """Guides mixed with free neighbours: every output fits its guide, and equals the same request alone.
+
+    The test model's tokenizer is a real one (tinylm's), its weights random: without the mask
+    its text is never JSON, with it every text parses and validates.
+    """
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "additionalProperties": False, "required": ["id", "ok"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}}
+    guides = [{"guided_json": schema}, {"guided_json": json.dumps(schema)}, {"guided_regex": "[a-c]{2,4}!"},
+              {"guided_choice": ["red", "green", "blue"]}]
+    params = [dict(max_tokens=24, **guide) for guide in guides]
+    params.append({"max_tokens": 12, "temperature": 0.7, "seed": 3, "guided_regex": "[0-9]+-[0-9]+"})
+    alone = []
+    for p in params:
+        engine, _ = make_engine(llama_dir)
+        alone.append(submit(engine, "Answer:", **p))
+        run(engine)
+    engine, _ = make_engine(llama_dir)
+    free = [submit(engine, prompt, max_tokens=max_tokens) for prompt, max_tokens in prompts(4, seed=7)]
+    batched = [submit(engine, "Answer:", **p) for p in params]
+    run(engine)
+    assert all(sink.final.error is None for sink in (*free, *batched, *alone))
+    texts = [sink.text.removeprefix("Answer:") for sink in batched]
+    assert [sink.text for sink in batched] == [sink.text for sink in alone]
+    jsonschema.validate(json.loads(texts[0]), schema)
+    jsonschema.validate(json.loads(texts[1]), schema)
+    assert re.fullmatch("[a-c]{2,4}!", texts[2]) and texts[3] in ("red", "green", "blue"), texts
+    assert re.fullmatch("[0-9]+-[0-9]+", texts[4]) or batched[4].final.finish_reason == "length", texts
+
+
+@pytest.mark.parametrize("guide, reason", [({"guided_json": {"type": "nonsense"}}, "guided_json"),
+                                            ({"guided_regex": "(["}, "guided_regex"),
+                                            ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "one of")])
+def test_a_bad_guide_is_refused_naming_it(llama_dir, guide, reason):
+    engine, _ = make_engine(llama_dir)
+    sink = submit(engine, "x", max_tokens=4, **guide)
+    assert isinstance(sink.final.error, InvalidInputError) and reason in str(sink.final.error), sink.final.error

@@ -72,32 +72,40 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), None
     key_cache, value_cache = step.cache.layer(int(layer))  # type: ignore[arg-type]
-    key_cache.index_copy_(0, step.slots, key[0].transpose(0, 1).to(key_cache.dtype))
-    value_cache.index_copy_(0, step.slots, value[0].transpose(0, 1).to(value_cache.dtype))
-    out = torch.empty_like(query)
+    key_cache.index_copy_(1, step.slots, key[0].to(key_cache.dtype))
+    value_cache.index_copy_(1, step.slots, value[0].to(value_cache.dtype))
     count = step.decode_count
+    if count and not step.prefills:
+        # A step of decoding sequences only (the steady state): their output is the whole output, no copy.
+        return _decode(query, key_cache, value_cache, step, scaling).permute(2, 0, 1, 3), None
+    out = torch.empty_like(query)
     if count:
-        assert step.decode_slots is not None
-        q = query[0, :, :count].transpose(0, 1).unsqueeze(2)  # [sequences, heads, 1, dim]
-        k = _gather(key_cache, step.decode_slots).permute(0, 2, 1, 3).to(query.dtype)  # [sequences, kv heads, ctx, dim]
-        v = _gather(value_cache, step.decode_slots).permute(0, 2, 1, 3).to(query.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
-        out[0, :, :count] = o.squeeze(2).transpose(0, 1)
+        out[0, :, :count] = _decode(query, key_cache, value_cache, step, scaling).squeeze(2).transpose(0, 1)
     for part in step.prefills:
         q = query[:, :, part.start:part.end]
-        k = key_cache.index_select(0, part.slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
-        v = value_cache.index_select(0, part.slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+        k = key_cache.index_select(1, part.slots).unsqueeze(0).to(query.dtype)
+        v = value_cache.index_select(1, part.slots).unsqueeze(0).to(query.dtype)
         out[:, :, part.start:part.end] = F.scaled_dot_product_attention(
             q, k, v, attn_mask=part.mask, is_causal=part.mask is None, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2), None
 
 
+def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
+            scaling: float | None) -> torch.Tensor:
+    """The decoding queries (the step's first) over their sequences' cache: ``[sequences, heads, 1, dim]``."""
+    assert step.decode_slots is not None
+    q = query[0, :, :step.decode_count].transpose(0, 1).unsqueeze(2)  # [sequences, heads, 1, dim]
+    k = _gather(key_cache, step.decode_slots).to(query.dtype)  # [sequences, kv heads, ctx, dim]
+    v = _gather(value_cache, step.decode_slots).to(query.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``cache`` rows at ``slots`` (``[sequences, context]``): ``[sequences, context, heads, dim]``.
+    """``cache`` (``[heads, slots, dim]``) at ``slots`` (``[sequences, context]``): ``[sequences, heads, ctx, dim]``.
 
     ``index_select`` on the flattened slots, not advanced indexing: several times faster on the CPU.
     """
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+    return cache.index_select(1, slots.reshape(-1)).view(cache.shape[0], *slots.shape, cache.shape[2]).transpose(0, 1)
 
 
 def no_mask(*args: Any, **kwargs: Any) -> None:

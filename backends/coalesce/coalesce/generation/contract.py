@@ -210,8 +210,9 @@ def read_request(tensors: Mapping[str, np.ndarray], parameters: str | Mapping[st
     if exclude is None:
         exclude = stream
     if stream and not exclude:
-        raise InvalidInputError(f"'{EXCLUDE_INPUT}' is false while 'stream' is true: a stream carries only new "
-                                "text (set it true or leave it out)")
+        # vLLM's words, which its backend's clients match.
+        raise InvalidInputError("Error generating stream: When streaming, `exclude_input_in_output` = False is not "
+                                "allowed.")
     returns = set()
     for output, flag in zip(ADDITIONAL_OUTPUTS, RETURN_INPUTS, strict=True):
         if _flag(tensors, request_parameters, flag, default=False):

@@ -65,6 +65,10 @@ class Tokenizer(Protocol):
         """The text of ``ids``."""
         ...
 
+    def to_str(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (structured output indexes the vocabulary from it)."""
+        ...
+
 
 @dataclasses.dataclass(eq=False)
 class _Sequence:
@@ -327,10 +331,12 @@ class GenerationEngine:
             running = sequence in self._running
             if not running and sequence not in self._waiting:
                 continue  # it ended this step
+            self.logger.info(f"cancelling request {sequence.id} ({len(sequence.generated)} tokens generated)")
             if not running:
                 self._waiting.remove(sequence)
             self.metrics.cancelled.increment(1)
             self._fail(sequence, CancelledError("the request was cancelled"), running=running)
+            self.logger.info(f"cancelled request {sequence.id}: answered CANCELLED, its KV blocks freed")
 
     def _admit(self, now: float) -> None:
         options = self.options
@@ -420,8 +426,12 @@ class GenerationEngine:
             sequence.last_token_s = now
             if sequence.penalties is not None:
                 sequence.penalties.add(token)
-            if sequence.matcher is not None:
-                sequence.matcher.accept(token)
+            if sequence.matcher is not None and not sequence.matcher.accept(token):
+                # Only a grammar the masks let astray (a limit hit mid-way) gets here: the request ends
+                # with the library's reason rather than with output that breaks its schema.
+                self._fail(sequence, RuntimeFailure(f"structured output failed after {len(sequence.generated)} "
+                                                   f"tokens: {sequence.matcher.error}"))
+                continue
             before = len(sequence.text.text)
             if token not in self.model.eos_token_ids and token not in sequence.request.sampling.stop_token_ids:
                 sequence.text.add(token)

@@ -33,7 +33,7 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
     from tokenizers import Tokenizer
 
     from coalesce.generation.engine import GenerationEngine
-    from coalesce.generation.model import CausalLM, model_dtype, torch_device
+    from coalesce.generation.model import CausalLM, model_dtype, torch_device, weight_format
 
     name = settings.model_name
     logger = logger or Logger(name)
@@ -46,7 +46,8 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
     torch.set_num_threads(threads)
     device = torch_device(instance_kind, device_id)
     dtype = model_dtype(settings.runtime.precision, device)
-    model = CausalLM(model_dir, device=device, dtype=dtype, name=name)
+    weights = weight_format(settings.runtime.precision, device)
+    model = CausalLM(model_dir, device=device, dtype=dtype, name=name, weights=weights)
     tokenizer: Any = Tokenizer.from_file(str(tokenizer_path))
     options = settings.generate
     context = min(settings.task.max_sequence_length, model.context_length)
@@ -63,6 +64,7 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
     except ConfigError as exc:
         raise ConfigError(f"model '{name}': {exc}") from None
     logger.info(f"generate: {model.model.config.model_type} on {device} ({str(dtype).removeprefix('torch.')}, "
+                f"{weights} weights, "
                 f"{threads} threads), {len(model.shapes)} layers; KV cache {engine.pool.num_blocks} blocks x "
                 f"{options.kv_block_tokens} tokens ({engine.bytes_per_token} bytes a token), context "
                 f"{engine.context_length} tokens; batching {options.generation_batching}, prefix cache "

@@ -9,13 +9,65 @@ each layer's key and value shapes, and the KV cache is allocated once from
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
+from typing import Final
 
 import numpy as np
 import torch
 
 from coalesce.core.errors import ConfigError
 from coalesce.generation.attention import ATTENTION_NAME, STEP_KWARG, PrefillPart, StepLayout, register
+
+#: How a CPU model's ``Linear`` weights may be stored (``CausalLM(weights=...)``): ``fp32`` as loaded, ``int8``
+#: per output channel with activations quantised per call, ``fp16`` converted back to float32 per call.
+WEIGHT_FORMATS: Final = ("fp32", "int8", "fp16")
+
+
+class PackedLinear(torch.nn.Module):
+    """A bias-free or biased ``Linear`` run by fbgemm's dynamic kernels from int8 or fp16 weights.
+
+    A decoding step reads every weight once for a handful of rows, so it is bound by memory
+    traffic, not arithmetic: weights of a quarter (int8) or half (fp16) the bytes make the
+    step's matrix products that much cheaper. int8 keeps one scale per output channel and
+    quantises each call's activations per tensor (7-bit, as fbgemm's AVX2 kernels need),
+    so outputs drift from float32; fp16 only rounds the weights.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str) -> None:
+        """Pack ``linear``'s weight (and bias) in ``fmt`` (``int8`` or ``fp16``)."""
+        super().__init__()
+        weight = linear.weight.detach().float().contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fmt = fmt
+        with warnings.catch_warnings():
+            # The quantised tensor is only the prepack's input; fbgemm's kernels stay supported.
+            warnings.simplefilter("ignore")
+            if fmt == "int8":
+                scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+                zeros = torch.zeros(len(scales), dtype=torch.long)
+                quantised = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+                self._packed = torch.ops.quantized.linear_prepack(quantised, bias)
+            elif fmt == "fp16":
+                self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+            else:
+                raise ValueError(f"no packed Linear for weights '{fmt}'")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` in float32."""
+        if self.fmt == "int8":
+            return torch.ops.quantized.linear_dynamic(x, self._packed, True)
+        return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+
+
+def pack_linears(model: torch.nn.Module, fmt: str) -> int:
+    """Replace every ``torch.nn.Linear`` of ``model`` (the LM head included) by a ``PackedLinear``; how many."""
+    found = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    for name, module in found:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(module, fmt))
+    return len(found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,17 +80,22 @@ class LayerShape:
 
 
 class KVCache:
-    """Keys and values of every layer, ``slots`` token slots each (``block_tokens`` slots per block)."""
+    """Keys and values of every layer, ``slots`` token slots each (``block_tokens`` slots per block).
+
+    Head-major (``[kv heads, slots, dim]``): the attention's queries come as ``[heads, tokens,
+    dim]``, so new keys go in and gathered ones come out without a transpose, and a
+    sequence's gathered keys of one head lie together.
+    """
 
     def __init__(self, shapes: dict[int, LayerShape], slots: int, *, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate the whole pool now (zeros), so memory use is fixed from load on."""
         self.slots = slots
-        self._layers = {layer: (torch.zeros(slots, s.heads, s.key_dim, dtype=dtype, device=device),
-                                torch.zeros(slots, s.heads, s.value_dim, dtype=dtype, device=device))
+        self._layers = {layer: (torch.zeros(s.heads, slots, s.key_dim, dtype=dtype, device=device),
+                                torch.zeros(s.heads, slots, s.value_dim, dtype=dtype, device=device))
                         for layer, s in shapes.items()}
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value tensors of layer ``index``: ``[slots, kv heads, dim]``."""
+        """Key and value tensors of layer ``index``: ``[kv heads, slots, dim]``."""
         return self._layers[index]
 
     @staticmethod
@@ -67,12 +124,16 @@ class StepInput:
 class CausalLM:
     """A causal LM loaded for packed, paged steps."""
 
-    def __init__(self, model_dir: Path, *, device: torch.device, dtype: torch.dtype, name: str = "model") -> None:
+    def __init__(self, model_dir: Path, *, device: torch.device, dtype: torch.dtype, name: str = "model",
+                 weights: str = "fp32") -> None:
         """Load the weights and probe the layers.
 
+        ``weights`` (one of ``WEIGHT_FORMATS``; not ``fp32`` only on the CPU in float32) packs
+        every ``Linear`` as a ``PackedLinear``.
+
         Raises:
-            ConfigError: If the folder holds no loadable causal LM, or its attention does not
-                go through ``transformers``' attention interface.
+            ConfigError: If the folder holds no loadable causal LM, its attention does not go
+                through ``transformers``' attention interface, or ``weights`` does not fit.
         """
         from transformers import AutoModelForCausalLM
 
@@ -89,6 +150,13 @@ class CausalLM:
             raise ConfigError(f"model '{name}': transformers could not load a causal LM from {model_dir}: "
                               f"{exc}") from None
         self.model = model.to(device).eval()  # type: ignore[arg-type]
+        if weights not in WEIGHT_FORMATS:
+            raise ConfigError(f"model '{name}': no weight format '{weights}' (one of {', '.join(WEIGHT_FORMATS)})")
+        if weights != "fp32":
+            if device.type != "cpu" or dtype != torch.float32:
+                raise ConfigError(f"model '{name}': {weights} weights run on the CPU in float32 only")
+            pack_linears(self.model, weights)
+        self.weights = weights
         self.device = device
         self.dtype = dtype
         text = model.config.get_text_config()
@@ -135,8 +203,9 @@ class CausalLM:
             for row, slots in enumerate(step.decode_slots):
                 padded[row, :len(slots)] = slots
             decode_slots = longs(padded)
-            lengths = longs([len(s) for s in step.decode_slots])
-            decode_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+            if any(len(s) < width for s in step.decode_slots):  # no mask where none is padded: a cheaper kernel
+                lengths = longs([len(s) for s in step.decode_slots])
+                decode_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
         prefills = []
         for start, end, slots, before in step.prefills:
             mask = None
@@ -162,5 +231,14 @@ def torch_device(instance_kind: str, device_id: int) -> torch.device:
 def model_dtype(precision: str, device: torch.device) -> torch.dtype:
     """fp16 where asked and on CUDA; float32 otherwise (the CPU's fp16 matmuls are slow)."""
     return torch.float16 if precision == "fp16" and device.type == "cuda" else torch.float32
+
+
+def weight_format(precision: str, device: torch.device) -> str:
+    """How the ``Linear`` weights are stored: ``fp16`` (computed in float32) where fp16 is asked on the CPU.
+
+    A CPU decoding step reads every weight for a handful of rows, so it is bound by memory
+    traffic: weights of half the bytes make it cheaper while the arithmetic stays float32.
+    """
+    return "fp16" if precision == "fp16" and device.type == "cpu" else "fp32"
 
 
