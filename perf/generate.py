@@ -885,7 +885,7 @@ def markdown(run: Mapping[str, Any]) -> str:
             lines += ["", f"Greedy outputs, {item['mode']} (round 0, same prompts): {item['identical']} of "
                       f"{item['requests']} identical to llama-server's, common prefix p50 "
                       f"{_fmt(item['common_prefix_chars_p50'], 0)} of {_fmt(item['chars_p50'], 0)} characters "
-                      "(Q4_1 arithmetic against float32 from the same weights)."]
+                      "(Q4_1 arithmetic against coalesce's from the same weights)."]
         lines.append("")
     closed_targets = [t for t in run["targets"] if t["mode"] == "closed"]
     if closed_targets:
@@ -1240,9 +1240,11 @@ def main(argv: list[str] | None = None) -> int:
                  "English prose from Python's docs, 25% behind a shared 48-token prefix), max_tokens uniform "
                  f"8-128 (fixed modes: {FIXED_TOKENS}), temperature 0, ignore_eos, streamed (Triton: gRPC, one stream "
                  "per client; llama-server: HTTP server-sent events, one connection per request)",
-        "systems_note": "continuous = smollm2 as shipped (float32 weights converted from the GGUF, "
-                        f"max_active_sequences {shipped_parameter(shipped, 'max_active_sequences')}, intra_op_threads "
-                        f"{shipped_parameter(shipped, 'intra_op_threads')}); static = max_batch_size {STATIC_BATCH} + "
+        "systems_note": "continuous = smollm2 as shipped (weights converted from the GGUF to float32, stored "
+                        f"per precision {shipped_parameter(shipped, 'precision') or 'fp32'}, max_active_sequences "
+                        f"{shipped_parameter(shipped, 'max_active_sequences')}, intra_op_threads "
+                        f"{shipped_parameter(shipped, 'intra_op_threads')} and every core while no other model "
+                        "computes (share_idle_cores)); static = max_batch_size {STATIC_BATCH} + "
                         f"dynamic_batching (max_queue_delay {args.static_delay_us} us), generation_batching request, "
                         f"max_active_sequences {STATIC_BATCH}; single = generation_batching request, "
                         "max_active_sequences 1; all else as shipped",

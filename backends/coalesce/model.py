@@ -17,6 +17,7 @@ import gc
 import json
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,7 @@ class _GenerateModel:
         self._static = settings.generate.generation_batching == "request"
         self._batched = settings.max_batch_size > 0
         self._outbox = _Outbox(logger)
+        self._logger = logger
 
     def execute(self, requests: list[Any]) -> None:
         """Hand each request to the engine; a bad or refused one is answered here, its neighbours still queue.
@@ -332,8 +334,10 @@ class _GenerateModel:
 
     def close(self) -> None:
         """Let running requests finish (up to the engine's drain), then send what is queued."""
+        started = time.monotonic()
         self._engine.close()
         self._outbox.close()
+        self._logger.info(f"generation closed in {time.monotonic() - started:.1f} s")
 
 
 class _Outbox:
@@ -356,7 +360,9 @@ class _Outbox:
     def close(self) -> None:
         """Send what is queued, then stop."""
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=3)
+        if self._thread.is_alive():
+            self._logger.warning("closing: responses still unsent after 3 s; leaving them")
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

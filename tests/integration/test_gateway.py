@@ -3,8 +3,10 @@
 The official ``openai`` SDK (models, embeddings float and base64, completions, chat streamed
 and not, typed errors), ``langchain-openai`` (``OpenAIEmbeddings``, ``ChatOpenAI``), and plain
 HTTP for the rerank routes and what the SDKs do not show (``[DONE]``, request ids, metrics,
-cancellation). What comes back is checked against Triton's own answers on the same server:
-embeddings against ``tritonclient``'s vectors, greedy chat against Triton's generate endpoint.
+cancellation, priority headers). What comes back is checked against Triton's own answers on
+the same server: embeddings against ``tritonclient``'s vectors, greedy chat against Triton's
+generate endpoint; structured output (``response_format``, vLLM's ``guided_*`` in
+``extra_body``) by parsing and validating what the model wrote.
 """
 
 from __future__ import annotations
@@ -291,3 +293,67 @@ def test_langchain_embeddings_and_chat(gateway, server):
     chat = langchain_openai.ChatOpenAI(model=CHAT, base_url=gateway.url + "/v1", api_key="unused", temperature=0,
                                        max_tokens=12)
     assert "Paris" in chat.invoke("What is the capital of France?").content
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+
+
+def test_response_format_json_schema_gives_json_that_validates(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    reply = client.chat.completions.create(
+        model=CHAT, messages=ASK_PERSON, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    content = reply.choices[0].message.content
+    jsonschema.validate(json.loads(content), PERSON)
+    assert reply.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=CHAT, messages=ASK_PERSON, max_tokens=64, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}) if c.choices]
+    assert "".join(pieces) == content
+
+
+def test_response_format_json_object_gives_a_json_object(client):
+    reply = client.chat.completions.create(model=CHAT, messages=ASK_PERSON, max_tokens=48, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_vllm_guided_fields_pass_through_extra_body(client):
+    choice = client.chat.completions.create(
+        model=CHAT, messages=[{"role": "user", "content": "Is Paris in France? Answer yes or no."}], max_tokens=8,
+        temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].message.content in {"yes", "no"}
+    digits = client.completions.create(model=CHAT, prompt="The year the Eiffel Tower opened:", max_tokens=8,
+                                       temperature=0, extra_body={"guided_regex": "[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{4}", digits.choices[0].text)
+
+
+def test_a_bad_schema_is_a_400_naming_the_problem(gateway, client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=CHAT, messages=ASK_PERSON, max_tokens=16,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
+    body = caught.value.body
+    assert body["param"] == "response_format" and "nonsense" in body["message"], body
+    streamed = httpx.post(gateway.url + "/v1/chat/completions", timeout=60, json={
+        "model": CHAT, "messages": ASK_PERSON, "max_tokens": 16, "stream": True,
+        "guided_json": {"type": "nonsense"}})
+    assert streamed.status_code == 400, streamed.text
+    assert streamed.json()["error"]["param"] == "guided_json" and "nonsense" in streamed.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=CHAT, messages=ASK_PERSON, max_tokens=16,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert caught.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_the_priority_header_reaches_generation(gateway):
+    body = {"model": CHAT, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
+    ranked = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60,
+                        headers={"x-coalesce-priority": "2", "x-coalesce-tenant": "search"})
+    assert plain.status_code == ranked.status_code == 200, ranked.text
+    assert ranked.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    bad = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60, headers={"x-coalesce-priority": "abc"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-coalesce-priority"

@@ -163,9 +163,9 @@ def test_a_bad_guide_is_invalid_arg_naming_it(server, key, value, reason):
 def test_priority_orders_admission_when_the_running_set_is_full(server, repository):
     """A variant that runs one sequence at a time (``max_active_sequences`` 1), so a full running set is quick.
 
-    While one long request runs, four wait: two at level 5, one at level 0 sent as a sampling
-    parameter and one at level 0 sent as a request parameter. They finish level 0 first, then
-    level 5, each level in arrival order.
+    While one long request runs, four wait: two at level 5, one at level 1 (the highest, Triton's
+    convention) sent as a sampling parameter and one at level 1 sent as a request parameter.
+    They finish level 1 first, then level 5, each level in arrival order.
     """
     import tritonclient.grpc as grpcclient
 
@@ -197,14 +197,14 @@ def test_priority_orders_admission_when_the_running_set_is_full(server, reposito
         time.sleep(0.2)
         waiting.append(send("late 5b", {**short, "priority_level": 5}))
         time.sleep(0.2)
-        waiting.append(send("urgent 0a", {**short, "priority_level": 0}))
+        waiting.append(send("urgent 1a", {**short, "priority_level": 1}))
         time.sleep(0.2)
-        waiting.append(send("urgent 0b", {**short, "priority_level": "0"}, as_request_parameters=True))
+        waiting.append(send("urgent 1b", {**short, "priority_level": "1"}, as_request_parameters=True))
         for thread in (running, *waiting):
             thread.join(timeout=300)
         assert not failures, failures
         order = sorted(finished, key=finished.__getitem__)
-        assert order == ["running", "urgent 0a", "urgent 0b", "late 5a", "late 5b"], order
+        assert order == ["running", "urgent 1a", "urgent 1b", "late 5a", "late 5b"], order
     finally:
         client.unload_model(name)
 

@@ -227,7 +227,8 @@ class RuntimeOptions:
         True, "ONNX Runtime on the CPU with `intra_op_threads` below the cores: a pass runs on every core while no "
         "other model of the server computes, on `intra_op_threads` while one does (the server's models mark a "
         "shared-memory board per pass); the cores go back to a neighbour within one pass. Holds a second session "
-        "(the graph's weights twice). `false`: always `intra_op_threads`.")
+        "(the graph's weights twice); task `generate` sets a step's torch threads the same way (no second copy). "
+        "`false`: always `intra_op_threads`.")
     borrowed_thread_priority: str = _spec(
         "idle", "`share_idle_cores`: priority of the threads a pass borrows beyond `intra_op_threads`: `idle` "
         "(Linux SCHED_IDLE: they run only on cores no other thread wants, so a neighbour gets its core at once) or "

@@ -24,9 +24,12 @@ from coalesce_tools.gateway.options import GatewayOptions
 from coalesce_tools.gateway.triton import Triton
 
 REQUEST_ID_HEADER: Final = "x-request-id"
-#: Optional headers a caller may set; passed to the backend's adaptive scheduler as request parameters.
+#: Optional headers a caller may set; passed to the backend as request parameters (the adaptive scheduler reads
+#: both; the generate engine queues by priority).
 TENANT_HEADER: Final = "x-coalesce-tenant"
 PRIORITY_HEADER: Final = "x-coalesce-priority"
+#: The largest priority level the header takes (Triton carries it as an int64 request parameter).
+MAX_PRIORITY_LEVEL: Final = 2**63 - 1
 #: The longest request id echoed as given; a longer one is replaced.
 MAX_REQUEST_ID_CHARS: Final = 128
 
@@ -135,8 +138,10 @@ class Gateway:
             parameters["tenant"] = tenant
         priority = request.headers.get(PRIORITY_HEADER)
         if priority:
-            if not priority.isdigit():
-                raise ApiError(400, f"header {PRIORITY_HEADER}: {priority!r} is not a whole number",
+            # ASCII digits only: str.isdigit takes superscripts int() refuses; the bound is Triton's int64 parameter.
+            if not (priority.isascii() and priority.isdigit()) or int(priority) > MAX_PRIORITY_LEVEL:
+                raise ApiError(400, f"header {PRIORITY_HEADER}: {priority!r} is not a whole number from 0 to "
+                                    f"{MAX_PRIORITY_LEVEL} (1 is the highest level; 0: the model's default)",
                                param=PRIORITY_HEADER)
             from coalesce.core.protocol import PRIORITY_PARAMETER
 
@@ -153,7 +158,7 @@ class Gateway:
     def _generate(self, *, chat: bool) -> Handler:
         async def handler(request: Request, request_id: str) -> Response:
             body = await read_json(request, self.options.max_body_bytes)
-            generation = await completions.prepare(self, body, chat=chat)
+            generation = await completions.prepare(self, body, chat=chat, parameters=self._parameters(request))
             if generation.stream:
                 stream, first, _ = await completions.start(self, generation, request_id)
                 return StreamingResponse(completions.events(self, generation, request_id, stream, first),

@@ -2,7 +2,10 @@
 
 Chat messages go through the model's own chat template (its ``tokenizer_config.json``,
 through transformers). The sampling fields map onto the backend's sampling parameters
-(vLLM's names; vLLM's own extensions ``top_k`` and ``ignore_eos`` are taken too). Prompt
+(vLLM's names; vLLM's own extensions ``top_k`` and ``ignore_eos`` are taken too). Structured
+output: OpenAI's ``response_format`` (``json_schema``, ``json_object``) becomes the backend's
+``guided_json``, and vLLM's ``guided_json``, ``guided_regex`` and ``guided_choice`` (what its
+clients send in ``extra_body``) pass through; the backend compiles and checks them. Prompt
 tokens are counted with the tokenizer the engine uses; completion tokens by re-encoding
 the generated text with it (the backend's stream carries text only).
 A streamed answer is OpenAI's server-sent events, ending in ``data: [DONE]``; a client that
@@ -14,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 from starlette.requests import Request
 
+from coalesce.generation.contract import GUIDED_KEYS
 from coalesce_tools.gateway.catalog import GENERATE, ModelEntry
 from coalesce_tools.gateway.errors import ApiError, invalid
 from coalesce_tools.gateway.fields import boolean, integer, number, refuse_unsupported
@@ -41,7 +45,10 @@ UNSUPPORTED = {
     "tools": ([], "no tool calling"),
     "tool_choice": ("none", "no tool calling"),
     "functions": ([], "no function calling"),
+    "guided_grammar": (None, "no grammar guides; use guided_json, guided_regex or guided_choice"),
 }
+#: The schema OpenAI's ``{"type": "json_object"}`` asks for: any JSON object.
+ANY_JSON_OBJECT: Final = {"type": "object"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +62,11 @@ class Generation:
     stream: bool
     include_usage: bool
     chat: bool
+    #: Request parameters for Triton (tenant, ``priority_level``), from the caller's headers.
+    parameters: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: The body field a guide came from (``response_format`` or a ``guided_*`` key), to name it in the backend's
+    #: refusal; None without a guide.
+    guide_param: str | None = None
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -90,16 +102,85 @@ def _stop(value: Any, limit: int) -> list[str]:
     return stops
 
 
-def read(model: ModelEntry, body: dict[str, Any], *, chat: bool) -> Generation:
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as the backend's ``guided_json`` schema, or None for plain text.
+
+    The schema is passed as given: ``strict`` is accepted either way, since the backend always
+    holds the output to the schema.
+
+    Raises:
+        ApiError: 400 naming the part of ``response_format`` that is wrong.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise invalid("'response_format' must be an object with a string 'type' (text, json_object or json_schema)",
+                      "response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return dict(ANY_JSON_OBJECT)
+    if kind != "json_schema":
+        raise invalid(f"'response_format.type' {kind!r} is not supported: use text, json_object or json_schema",
+                      "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid("'response_format.json_schema' must be an object {name, schema, strict}",
+                      "response_format.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        found = "nothing" if schema is None else type(schema).__name__
+        raise invalid(f"'response_format.json_schema.schema' must be a JSON Schema object, found {found}",
+                      "response_format.json_schema.schema")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise invalid("'response_format.json_schema.strict' must be true or false",
+                      "response_format.json_schema.strict")
+    return schema
+
+
+def _guide(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The guided sampling parameter of ``body`` (empty without one) and the field it came from.
+
+    Only types are checked here; the backend checks the schema or regex itself, and its
+    refusal comes back as a 400.
+
+    Raises:
+        ApiError: 400 naming the field: a wrong type, or more than one guide.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    schema = _response_format(body.get("response_format"))
+    if schema is not None:
+        found.append(("response_format", {"guided_json": schema}))
+    for key in GUIDED_KEYS:
+        value = body.get(key)
+        if value is None:
+            continue
+        if key == "guided_json" and not (isinstance(value, dict) or (isinstance(value, str) and value)):
+            raise invalid("'guided_json' must be a JSON Schema, as an object or a string holding one", key)
+        if key == "guided_regex" and not (isinstance(value, str) and value):
+            raise invalid("'guided_regex' must be a non-empty string (a regular expression)", key)
+        if key == "guided_choice" and not (isinstance(value, list) and value
+                                           and all(isinstance(c, str) and c for c in value)):
+            raise invalid("'guided_choice' must be a non-empty list of non-empty strings", key)
+        found.append((key, {key: value}))
+    if len(found) > 1:
+        raise invalid(f"give at most one of response_format (json_object, json_schema), {', '.join(GUIDED_KEYS)}; "
+                      f"got {' and '.join(name for name, _ in found)}", found[1][0])
+    return (found[0][1], found[0][0]) if found else ({}, None)
+
+
+def read(model: ModelEntry, body: dict[str, Any], *, chat: bool,
+         parameters: Mapping[str, Any] | None = None) -> Generation:
     """Check a completions or chat body against ``model`` and build the backend's request.
+
+    ``parameters`` are Triton request parameters (tenant, ``priority_level``) sent with it.
 
     Raises:
         ApiError: 400 naming the field that is wrong or not supported.
     """
     refuse_unsupported(body, UNSUPPORTED)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise invalid("'response_format' other than {\"type\": \"text\"} is not supported yet", "response_format")
+    guide, guide_param = _guide(body)
     if chat:
         tokenizer = model.chat_tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -142,13 +223,28 @@ def read(model: ModelEntry, body: dict[str, Any], *, chat: bool) -> Generation:
     stops = _stop(body.get("stop"), options.max_stop_strings)
     if stops:
         sampling["stop"] = stops
+    sampling.update(guide)
     stream = boolean(body, "stream", default=False)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise invalid("'stream_options' must be an object", "stream_options")
     include_usage = boolean(stream_options, "include_usage", default=False)
     return Generation(model=model, prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling, stream=stream,
-                      include_usage=include_usage, chat=chat)
+                      include_usage=include_usage, chat=chat, parameters=dict(parameters or {}),
+                      guide_param=guide_param)
+
+
+def _named(generation: Generation, error: ApiError) -> ApiError:
+    """The backend's refusal of a guide (a bad schema or regex), naming the body field it came from."""
+    if error.status != 400 or error.param is not None or generation.guide_param is None:
+        return error
+    if not any(f"'{key}'" in error.message for key in GUIDED_KEYS):
+        return error
+    message = error.message
+    if generation.guide_param == "response_format":
+        message = f"'response_format' (sent to the model as 'guided_json'): {message}"
+    return ApiError(error.status, message, param=generation.guide_param, code=error.code,
+                    error_type=error.error_type)
 
 
 def _usage(generation: Generation, text: str) -> dict[str, int]:
@@ -192,9 +288,13 @@ async def complete(gateway: Gateway, request: Request, generation: Generation,
     """The whole answer, or None if the client went away first (its generation is cancelled then)."""
     async def collect() -> str:
         parts = []
-        async for piece in gateway.triton.generate(generation.model.name, generation.prompt, generation.sampling,
-                                                   request_id=request_id):
-            parts.append(piece.text)
+        try:
+            async for piece in gateway.triton.generate(generation.model.name, generation.prompt,
+                                                       generation.sampling, request_id=request_id,
+                                                       parameters=generation.parameters):
+                parts.append(piece.text)
+        except ApiError as exc:
+            raise _named(generation, exc) from None
         return "".join(parts)
 
     created = int(time.time())
@@ -228,8 +328,11 @@ async def start(gateway: Gateway, generation: Generation, request_id: str) -> tu
     """
     arrived = time.perf_counter()
     stream = gateway.triton.generate(generation.model.name, generation.prompt, generation.sampling,
-                                     request_id=request_id)
-    first = await stream.__anext__()
+                                     request_id=request_id, parameters=generation.parameters)
+    try:
+        first = await stream.__anext__()
+    except ApiError as exc:
+        raise _named(generation, exc) from None
     gateway.metrics.first_token.labels(generation.model.name).observe(time.perf_counter() - arrived)
     return stream, first, arrived
 
@@ -275,7 +378,11 @@ async def events(gateway: Gateway, generation: Generation, request_id: str, stre
         await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def prepare(gateway: Gateway, body: dict[str, Any], *, chat: bool) -> Generation:
-    """The checked generation call (the model looked up, its tokenizer loaded off the event loop)."""
+async def prepare(gateway: Gateway, body: dict[str, Any], *, chat: bool,
+                  parameters: Mapping[str, Any] | None = None) -> Generation:
+    """The checked generation call (the model looked up, its tokenizer loaded off the event loop).
+
+    ``parameters``: Triton request parameters (tenant, ``priority_level``) to send with it.
+    """
     model = await gateway.catalog.get(body.get("model"), GENERATE)
-    return await asyncio.to_thread(read, model, body, chat=chat)
+    return await asyncio.to_thread(read, model, body, chat=chat, parameters=parameters)

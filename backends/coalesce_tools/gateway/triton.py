@@ -83,9 +83,12 @@ class Triton:
             raise ApiError(500, f"model '{model}' answered without output '{output}'")
         return value
 
-    async def generate(self, model: str, prompt: str, sampling: Mapping[str, Any], *,
-                       request_id: str = "") -> AsyncIterator[Generated]:
+    async def generate(self, model: str, prompt: str, sampling: Mapping[str, Any], *, request_id: str = "",
+                       parameters: Mapping[str, Any] | None = None) -> AsyncIterator[Generated]:
         """Stream a generation: text as the model produces it, the prompt excluded.
+
+        ``parameters`` are request parameters sent with it (``tenant``, ``priority_level``:
+        the engine queues lower levels first); ``sampling`` goes in ``sampling_parameters``.
 
         Leaving the iteration early (the client went away) cancels the request in Triton: the
         backend drops it at its next step.
@@ -107,7 +110,8 @@ class Triton:
                   tensor("exclude_input_in_output", "BOOL", True)]
         request = _utils._get_inference_request(
             model_name=model, inputs=inputs, model_version="", request_id=request_id, outputs=None, sequence_id=0,
-            sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=None)
+            sequence_start=False, sequence_end=False, priority=0, timeout=None,
+            parameters=dict(parameters or {}) or None)
         request.parameters["triton_enable_empty_final_response"].bool_param = True
         answered = asyncio.Event()
 

@@ -218,3 +218,27 @@ def test_a_bad_guide_is_refused_naming_it(llama_dir, guide, reason):
     engine, _ = make_engine(llama_dir)
     sink = submit(engine, "x", max_tokens=4, **guide)
     assert isinstance(sink.final.error, InvalidInputError) and reason in str(sink.final.error), sink.final.error
+
+
+def test_a_step_runs_on_every_core_while_no_neighbour_computes(llama_dir, tmp_path):
+    """The core board decides each step's torch threads: all cores alone, ``own_threads`` beside a busy neighbour."""
+    from coalesce.runtimes.cores import CoreBoard
+
+    engine, _ = make_engine(llama_dir)
+    board = CoreBoard(own_threads=1, cores=2, path=tmp_path / "board")
+    neighbour = CoreBoard(own_threads=1, cores=2, path=tmp_path / "board")
+    engine.board = board
+    threads = torch.get_num_threads()
+    try:
+        sink = submit(engine, "def f", max_tokens=2)
+        engine.step()
+        assert torch.get_num_threads() == 2 and engine.wide_steps == 1
+        with neighbour.computing():
+            engine.step()
+            assert torch.get_num_threads() == 1 and engine.wide_steps == 1
+        run(engine)
+        assert sink.final.error is None
+    finally:
+        torch.set_num_threads(threads)
+        neighbour.close()
+        board.close()

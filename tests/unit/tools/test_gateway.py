@@ -1,17 +1,24 @@
-"""The gateway's pieces that need no server: error mapping, options, field checks, route choice, Matryoshka cuts."""
+"""The gateway's pieces that need no server: error mapping, options, field checks, route choice, Matryoshka cuts,
+structured output and priority on a generation request."""
 
 from __future__ import annotations
+
+import asyncio
+import types
 
 import numpy as np
 import pytest
 
-from coalesce.core.protocol import REFUSED_PREFIX
+from coalesce.core.protocol import PRIORITY_PARAMETER, REFUSED_PREFIX
 from coalesce.settings import ModelSettings, SettingsError
+from coalesce_tools.gateway import completions
+from coalesce_tools.gateway.app import Gateway
 from coalesce_tools.gateway.catalog import EMBEDDINGS, GENERATE, RERANK, model_kind
 from coalesce_tools.gateway.embeddings import cut
 from coalesce_tools.gateway.errors import ApiError, from_triton
 from coalesce_tools.gateway.fields import integer, number, refuse_unsupported, text_list
 from coalesce_tools.gateway.options import GatewayOptions, GatewayOptionsError, api_keys_from_env
+from coalesce_tools.gateway.triton import Triton
 
 
 @pytest.mark.parametrize(("status", "message", "expected"), [
@@ -109,3 +116,137 @@ def test_a_matryoshka_cut_is_renormalised():
     expected = vectors[:, :4] / np.linalg.norm(vectors[:, :4], axis=1, keepdims=True)
     np.testing.assert_allclose(head, expected, rtol=1e-6)
     np.testing.assert_array_equal(cut(vectors, 4, normalize=False), vectors[:, :4])
+
+
+class _Tokenizer:
+    """One token per character: enough for the gateway's counts, no files needed."""
+
+    chat_template = "{{ messages }}"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> types.SimpleNamespace:
+        return types.SimpleNamespace(ids=list(range(len(text))))
+
+    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:
+        return "".join(m["content"] for m in messages)
+
+
+def generate_model() -> types.SimpleNamespace:
+    tokenizer = _Tokenizer()
+    return types.SimpleNamespace(name="smollm2", settings=ModelSettings.from_parameters({"task": "generate"}),
+                                 chat_tokenizer=tokenizer, prompt_tokenizer=tokenizer)
+
+
+def chat(**fields) -> completions.Generation:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **fields}
+    return completions.read(generate_model(), body, chat=True)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize(("fields", "expected", "param"), [
+    ({}, {}, None),
+    ({"response_format": {"type": "text"}}, {}, None),
+    ({"response_format": {"type": "json_object"}}, {"guided_json": {"type": "object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                  "strict": True}}},
+     {"guided_json": PERSON}, "response_format"),
+    ({"guided_json": PERSON}, {"guided_json": PERSON}, "guided_json"),
+    ({"guided_json": '{"type": "string"}'}, {"guided_json": '{"type": "string"}'}, "guided_json"),
+    ({"guided_regex": "[0-9]{3}"}, {"guided_regex": "[0-9]{3}"}, "guided_regex"),
+    ({"guided_choice": ["yes", "no"]}, {"guided_choice": ["yes", "no"]}, "guided_choice"),
+    ({"response_format": {"type": "text"}, "guided_choice": ["a"]}, {"guided_choice": ["a"]}, "guided_choice"),
+])
+def test_response_format_and_guided_fields_become_one_guided_sampling_parameter(fields, expected, param):
+    generation = chat(**fields)
+    guided = {k: v for k, v in generation.sampling.items() if k.startswith("guided_")}
+    assert guided == expected
+    assert generation.guide_param == param
+    assert generation.sampling["max_tokens"] == 8
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"response_format": {"type": "grammar"}}, "response_format", "'grammar' is not supported"),
+    ({"response_format": "json"}, "response_format", "string 'type'"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "found nothing"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+     "response_format.json_schema.schema", "found str"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
+     "response_format.json_schema.strict", "true or false"),
+    ({"guided_json": 3}, "guided_json", "JSON Schema"),
+    ({"guided_regex": ""}, "guided_regex", "non-empty string"),
+    ({"guided_choice": ["a", 1]}, "guided_choice", "non-empty list"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "at most one"),
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "not supported"),
+])
+def test_a_bad_guide_is_a_400_naming_its_field(fields, param, words):
+    with pytest.raises(ApiError, match=words) as caught:
+        chat(**fields)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_the_backends_refusal_of_a_schema_names_the_field_it_came_from():
+    refusal = from_triton(None, "'guided_json' is not a valid JSON schema: unknown type 'nonsense'", model="smollm2")
+    assert refusal.status == 400  # a stream's error has no status: the backend's message decides
+    named = completions._named(chat(response_format={"type": "json_object"}), refusal)
+    assert named.status == 400 and named.param == "response_format"
+    assert "response_format" in named.message and "nonsense" in named.message
+    assert completions._named(chat(guided_json={"type": "nonsense"}), refusal).param == "guided_json"
+    other = from_triton(None, "input 'text_input' is empty", model="smollm2")
+    assert completions._named(chat(guided_regex="a"), other) is other
+    assert from_triton("StatusCode.INVALID_ARGUMENT", "'guided_regex' is not a valid regex", model="m").status == 400
+
+
+def test_request_parameters_ride_on_the_generation():
+    model = generate_model()
+    body = {"prompt": "Hi", "max_tokens": 4}
+    generation = completions.read(model, body, chat=False, parameters={"tenant": "t", PRIORITY_PARAMETER: 2})
+    assert generation.parameters == {"tenant": "t", PRIORITY_PARAMETER: 2}
+    assert PRIORITY_PARAMETER not in generation.sampling
+    assert completions.read(model, body, chat=False).parameters == {}
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({}, {}),
+    ({"x-coalesce-tenant": "search", "x-coalesce-priority": "2"}, {"tenant": "search", PRIORITY_PARAMETER: 2}),
+    ({"x-coalesce-priority": "0"}, {PRIORITY_PARAMETER: 0}),
+])
+def test_headers_become_request_parameters(headers, expected):
+    assert Gateway._parameters(types.SimpleNamespace(headers=headers)) == expected
+
+
+@pytest.mark.parametrize("priority", ["abc", "-1", "1.5", "\u00b2", str(2**63)])
+def test_a_bad_priority_header_is_a_400_naming_it(priority):
+    with pytest.raises(ApiError, match="not a whole number") as caught:
+        Gateway._parameters(types.SimpleNamespace(headers={"x-coalesce-priority": priority}))
+    assert caught.value.status == 400 and caught.value.param == "x-coalesce-priority"
+
+
+def test_the_stream_request_carries_the_request_parameters(monkeypatch):
+    """What ``Triton.generate`` builds: tritonclient's request with tenant and priority as typed parameters."""
+    from tritonclient.grpc import _utils
+
+    built = {}
+    real = _utils._get_inference_request
+
+    def capture(**kwargs):
+        built["request"] = real(**kwargs)
+        raise RuntimeError("stop before the call")
+
+    monkeypatch.setattr(_utils, "_get_inference_request", capture)
+    triton = object.__new__(Triton)  # no channel: the request is built before any call
+
+    async def first() -> None:
+        await triton.generate("smollm2", "Hi", {"max_tokens": 1}, request_id="r",
+                              parameters={"tenant": "t", PRIORITY_PARAMETER: 3}).__anext__()
+
+    with pytest.raises(RuntimeError, match="stop before the call"):
+        asyncio.run(first())
+    parameters = built["request"].parameters
+    assert parameters["tenant"].string_param == "t"
+    assert parameters[PRIORITY_PARAMETER].int64_param == 3
+

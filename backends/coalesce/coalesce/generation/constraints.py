@@ -38,12 +38,11 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 import torch
 
 from coalesce.core.errors import InvalidInputError, UnavailableError
+from coalesce.generation.contract import GUIDED_KEYS
 
 if TYPE_CHECKING:
     import llguidance
 
-#: Sampling-parameter keys of a guide (vLLM's names); at most one per request.
-GUIDED_KEYS: Final = ("guided_json", "guided_regex", "guided_choice")
 #: The longest guide source accepted, in characters: compiling is bounded by llguidance's own limits, this bounds
 #: the text a request can make the server parse and cache.
 MAX_GUIDE_CHARS: Final = 64 * 1024

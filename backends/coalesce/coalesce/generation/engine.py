@@ -47,7 +47,7 @@ from coalesce.generation.sampling import Choice, Penalties, Row, sample
 from coalesce.generation.text import IncrementalText
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import GenerationMetrics
-from coalesce.runtimes.cores import CoreBoard, marked
+from coalesce.runtimes.cores import CoreBoard, marked, set_idle_priority, threads_of_this_process
 from coalesce.settings import GenerateOptions
 
 #: The level of a request that sets no ``priority_level`` (Triton's convention: 1 is the highest).
@@ -120,12 +120,14 @@ class GenerationEngine:
                  metrics: GenerationMetrics, logger: Logger, start: bool = True,
                  board: CoreBoard | None = None, grammars: Any = None,
                  declared_outputs: frozenset[str] = frozenset(ADDITIONAL_OUTPUTS),
-                 max_request_bytes: int = 0) -> None:
+                 max_request_bytes: int = 0, borrowed_thread_priority: str = "idle") -> None:
         """Allocate the KV cache from ``options.kv_cache_bytes``; start the step thread unless ``start`` is False.
 
         ``context_length``: most tokens of one sequence, prompt included (capped to what the pool holds).
-        ``board``: the server's core board, marked around each forward pass so that the server's
-        other models keep to their own share of the cores while this one generates.
+        ``board``: the server's core board, marked around each forward pass: a step runs on every
+        core while no other model computes, else on the board's ``own_threads``, and the
+        server's other models keep to their share while this one generates. The torch threads
+        it borrows run at ``borrowed_thread_priority`` (``idle``: Linux SCHED_IDLE).
         ``grammars``: compiles structured-output guides (``constraints.GrammarCompiler``;
         None: built on the first request that asks). ``declared_outputs``: the additional
         outputs the model's config declares. ``max_request_bytes``: largest request (0: any).
@@ -135,6 +137,9 @@ class GenerationEngine:
         self.declared_outputs = declared_outputs
         self.max_request_bytes = max_request_bytes
         self.board = board
+        self.borrowed_thread_priority = borrowed_thread_priority
+        self.wide_steps = 0
+        self._threads_now = 0
         self.tokenizer = tokenizer
         self.options = options
         self.metrics = metrics
@@ -248,15 +253,25 @@ class GenerationEngine:
             self.grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids)
         return self.grammars
 
-    def close(self, *, drain_s: float = 30.0) -> None:
-        """Refuse new requests, let queued and running ones finish for up to ``drain_s``, then end the rest."""
+    def close(self, *, drain_s: float = 8.0) -> None:
+        """Refuse new requests, let queued and running ones finish for up to ``drain_s``, then end the rest.
+
+        The whole close stays within about ``drain_s`` + 3 s, under Triton's shortest usual
+        exit timeout (15 s): past it the server gives up on the unload and exits with an error.
+        """
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+            held = (len(self._running), len(self._waiting) + len(self._inbox))
+        if held != (0, 0):
+            self.logger.info(f"closing: {held[0]} requests running and {held[1]} waiting get up to {drain_s:g} s")
         if self._thread is not None:
             self._thread.join(timeout=drain_s)
+            if self._thread.is_alive():
+                self.logger.warning(f"closing: the step thread did not drain in {drain_s:g} s "
+                                    f"({len(self._running)} running, {len(self._waiting)} waiting); ending them")
             self._abandoned = True  # past the drain: the thread stops after the step it is in
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=3)
         with self._lock:
             left = self._inbox + list(self._waiting)
             self._inbox.clear()
@@ -280,7 +295,42 @@ class GenerationEngine:
 
     # -- the step loop ---------------------------------------------------------------------------------------
 
+    def _use_threads(self, threads: object) -> None:
+        """Run the coming forward pass on ``threads`` torch threads (what the board allows; None: unchanged)."""
+        if not isinstance(threads, int):
+            return
+        if threads != self._threads_now:
+            torch.set_num_threads(threads)  # per calling thread: the step thread's own OpenMP team
+            self._threads_now = threads
+        if self.board is not None and threads > self.board.own_threads:
+            self.wide_steps += 1
+
+    def _borrow_threads(self) -> None:
+        """Start the step thread's OpenMP workers for every core now, at ``borrowed_thread_priority``.
+
+        torch sizes its team per calling thread; the extra workers start at the first wide
+        parallel region, so one is run here and the threads that appeared are lowered: a
+        neighbour that starts computing gets its core back at once.
+        """
+        board = self.board
+        if board is None or board.cores <= board.own_threads or self.model.device.type != "cpu":
+            return
+        before = threads_of_this_process()
+        torch.set_num_threads(board.cores)
+        with torch.inference_mode():
+            torch.ones(1 << 20).mul_(2)  # an elementwise op large enough to run in parallel
+            torch.ones(256, 256) @ torch.ones(256, 256)
+        borrowed = threads_of_this_process() - before
+        idle = self.borrowed_thread_priority == "idle"
+        count = set_idle_priority(borrowed) if idle else len(borrowed)
+        torch.set_num_threads(board.own_threads)
+        self._threads_now = board.own_threads
+        self.logger.info(f"core sharing: a step runs on {board.cores} cores while no other model computes, else on "
+                         f"{board.own_threads}; {count} borrowed threads at {self.borrowed_thread_priority} "
+                         f"priority; board {board.path} slot {board.slot}")
+
     def _run(self) -> None:
+        self._borrow_threads()
         while not self._abandoned:
             with self._lock:
                 while not self._closed and not (self._inbox or self._waiting or self._running):
@@ -315,7 +365,8 @@ class GenerationEngine:
         ran = bool(self._running)
         if ran:
             step, members = self._plan()
-            with marked(self.board):
+            with marked(self.board) as threads:
+                self._use_threads(threads)
                 logits = self.model.forward(step, self.cache)
             self.steps += 1
             self._advance(members, logits)

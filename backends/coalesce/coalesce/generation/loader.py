@@ -60,7 +60,8 @@ def load_engine(config: Mapping[str, Any], version_dir: Path, *, settings: Model
             board = open_board(threads, logger.warning)
         engine = GenerationEngine(model, tokenizer, options, context_length=context, metrics=metrics, logger=logger,
                                   start=start, board=board, declared_outputs=declared_outputs,
-                                  max_request_bytes=settings.task.max_request_bytes)
+                                  max_request_bytes=settings.task.max_request_bytes,
+                                  borrowed_thread_priority=settings.runtime.borrowed_thread_priority)
     except ConfigError as exc:
         raise ConfigError(f"model '{name}': {exc}") from None
     logger.info(f"generate: {model.model.config.model_type} on {device} ({str(dtype).removeprefix('torch.')}, "
