@@ -43,6 +43,7 @@ from coalesce.scheduling.driver import (
     scheduler_config,
     triton_queue_timeout_s,
 )
+from coalesce.settings import GENERATE_TASK
 
 
 def _triton_error(error: CoalesceError) -> Any:
@@ -129,7 +130,7 @@ class TritonPythonModel:
         self._metric_factory = BufferedMetricFactory(
             _TritonMetricFactory(), interval_s=settings.metrics.metrics_interval_ms / 1000,
             on_error=lambda exc: logger.error(f"sending metrics failed: {exc!r}"))
-        adapter = _GenerateModel if settings.task.task == "generate" else _RowModel
+        adapter = _GenerateModel if settings.task.task == GENERATE_TASK else _RowModel
         self._model: _GenerateModel | _RowModel = adapter(config, settings, args, self._metric_factory, logger)
         logger.info(f"loaded version {args['model_version']} from {args['model_repository']} on instance "
                     f"{args['model_instance_name']}: task '{settings.task.task}'; parameters set {settings.changed()}")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from coalesce.cache.keys import file_digest
-from coalesce.settings import TEXT_TASKS, ModelSettings, SettingsError
+from coalesce.settings import GENERATE_TASK, TEXT_TASKS, ModelSettings, SettingsError
 from coalesce_tools.config import ConfigReadError, coalesce_models, read_model_config, version_dirs
 
 #: Bump when an export changes, so stale build outputs are rebuilt.
@@ -488,7 +488,7 @@ def missing_files(config: dict[str, Any], version_dir: Path) -> list[str]:
     """What the model needs in ``version_dir`` and lacks (its ONNX graph, a text task's tokenizer)."""
     settings = ModelSettings.from_model_config(config)
     wanted = []
-    if settings.task.task == "generate":
+    if settings.task.task == GENERATE_TASK:
         folder = settings.runtime.torch_model_dir
         missing = [name for name in (f"{folder}/config.json", f"{folder}/tokenizer.json")
                    if not (version_dir / name).is_file()]

@@ -27,7 +27,7 @@ from coalesce.observability.log import Logger
 from coalesce.observability.metrics import InMemoryMetricFactory, MetricFactory, PipelineMetrics
 from coalesce.runtimes import Runtime, create_runtime
 from coalesce.runtimes.bls import BlsCall
-from coalesce.settings import INT8_TASKS, ModelSettings, SettingsError
+from coalesce.settings import GENERATE_TASK, INT8_TASKS, ModelSettings, SettingsError
 from coalesce.tasks import create_task, task_type
 
 #: Cost model of a BLS target when none is configured: 3 ms a pass, 2 us a position (a GPU encoder's order).
@@ -224,7 +224,7 @@ def complete_config(config: Mapping[str, Any], version_dir: Path | None) -> Comp
     """
     settings = read_settings(config)
     notes: list[str] = []
-    if settings.task.task == "generate":
+    if settings.task.task == GENERATE_TASK:
         from coalesce.generation.contract import contract_completion
 
         inputs, outputs = contract_completion(config)

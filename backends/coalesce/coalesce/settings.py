@@ -17,8 +17,10 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Final
 
+#: The task of causal LMs: a decoupled model served by ``coalesce.generation``'s engine, not a row ``Task``.
+GENERATE_TASK: Final = "generate"
 #: The tasks a model may declare (parameter ``task``).
-TASKS: Final = ("embedding", "classify", "similarity", "tensor", "generate")
+TASKS: Final = ("embedding", "classify", "similarity", "tensor", GENERATE_TASK)
 #: The tasks whose requests are rows coalesced into forward passes (every task but ``generate``).
 ROW_TASKS: Final = ("embedding", "classify", "similarity", "tensor")
 #: The tasks whose rows are texts (or text pairs), tokenised with the model's ``tokenizer.json``.
@@ -150,7 +152,7 @@ class TensorOptions:
 class GenerateOptions:
     """Continuous batching, the KV cache and sampling limits (task ``generate``)."""
 
-    APPLIES_TO: ClassVar[tuple[str, ...] | None] = ("generate",)
+    APPLIES_TO: ClassVar[tuple[str, ...] | None] = (GENERATE_TASK,)
 
     generation_batching: str = _spec(
         "continuous", "`continuous`: every step runs one forward pass over all active sequences, new requests "
@@ -347,7 +349,7 @@ class MetricsOptions:
 #: Components in the order ``coalesce settings`` lists them: (attribute of ``ModelSettings``, options class).
 COMPONENTS: Final[tuple[tuple[str, type], ...]] = (
     ("task", TaskOptions), ("text", TextOptions), ("embedding", EmbeddingOptions), ("classify", ClassifyOptions),
-    ("tensor", TensorOptions), ("generate", GenerateOptions),
+    ("tensor", TensorOptions), (GENERATE_TASK, GenerateOptions),
     ("runtime", RuntimeOptions), ("planner", PlannerOptions), ("cache", CacheOptions),
     ("scheduler", SchedulerOptions), ("metrics", MetricsOptions))
 
@@ -464,7 +466,7 @@ class ModelSettings:
             except ValueError as exc:
                 raise SettingsError(f"{where}: parameter '{key}' has bad value "
                                     f"'{getattr(self.scheduler, key)}': {exc}") from None
-        if self.task.task == "generate" and self.runtime.runtime not in ("auto", "torch"):
+        if self.task.task == GENERATE_TASK and self.runtime.runtime not in ("auto", "torch"):
             raise SettingsError(f"{where}: parameter 'runtime' has bad value '{self.runtime.runtime}': task "
                                 "'generate' runs on the torch runtime (`auto` or `torch`)")
         if self.runtime.precision == "int8" and (self.task.task not in INT8_TASKS

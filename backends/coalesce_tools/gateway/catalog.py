@@ -18,12 +18,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from coalesce.settings import ModelSettings, SettingsError
+from coalesce.settings import GENERATE_TASK, ModelSettings, SettingsError
 from coalesce_tools.gateway.errors import ApiError
 
 EMBEDDINGS: Final = "embeddings"
 RERANK: Final = "rerank"
-GENERATE: Final = "generate"
+GENERATE: Final = GENERATE_TASK
 #: The routes each kind of model serves (``GET /v1/models`` lists them).
 ROUTES: Final = {
     EMBEDDINGS: ("/v1/embeddings",),
@@ -95,7 +95,7 @@ def model_kind(settings: ModelSettings, config: Mapping[str, Any]) -> tuple[str 
     inputs = {t.get("name") for t in config.get("input") or []}
     outputs = [(str(t.get("name")), [int(d) for d in t.get("dims") or []]) for t in config.get("output") or []]
     task = settings.task.task
-    if task == "generate":
+    if task == GENERATE:
         return GENERATE, "text_output", 0
     if len(outputs) != 1 or len(outputs[0][1]) != 1:
         return None, "", 0

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 from starlette.requests import Request
 
-from coalesce.generation.contract import GUIDED_KEYS
+from coalesce.core.protocol import GUIDED_KEYS
 from coalesce_tools.gateway.catalog import GENERATE, ModelEntry
 from coalesce_tools.gateway.errors import ApiError, invalid
 from coalesce_tools.gateway.fields import boolean, integer, number, refuse_unsupported

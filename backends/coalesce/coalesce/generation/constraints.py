@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 import torch
 
 from coalesce.core.errors import InvalidInputError, UnavailableError
-from coalesce.generation.contract import GUIDED_KEYS
+from coalesce.core.protocol import GUIDED_KEYS
 
 if TYPE_CHECKING:
     import llguidance

@@ -27,7 +27,7 @@ from typing import Any, Final
 import numpy as np
 
 from coalesce.core.errors import ConfigError, InvalidInputError
-from coalesce.core.protocol import PRIORITY_PARAMETER, TENANT_PARAMETER
+from coalesce.core.protocol import GUIDED_KEYS, PRIORITY_PARAMETER, TENANT_PARAMETER
 from coalesce.core.tensors import TensorSpec
 from coalesce.generation.events import GenerationEvent
 
@@ -60,8 +60,6 @@ OUTPUTS: Final[tuple[tuple[str, str, tuple[int, ...]], ...]] = (
 #: The input names a request may carry.
 INPUT_NAMES: Final = tuple(name for name, _, _, _ in INPUTS)
 
-#: Keys of a guided (structured) output; at most one per request (``coalesce.generation.constraints``).
-GUIDED_KEYS: Final = ("guided_json", "guided_regex", "guided_choice")
 #: Sampling keys a request may set (vLLM's names; ``priority_level`` is the scheduler's, see ``core.protocol``).
 SAMPLING_KEYS: Final = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                         "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty",
