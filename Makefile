@@ -22,7 +22,7 @@ CAPACITY_ARGS ?=
 REPLICAS ?= 2
 CLUSTER_ARGS ?=
 
-.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate bench-openai bench-bulk eval-adaptive load tune soak flood cluster cluster-test capacity
+.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate bench-openai bench-bulk eval-adaptive load tune soak flood cluster cluster-test capacity vllm-ci-full
 
 setup:                 ## venv with .[serve,export,generate], OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -84,6 +84,11 @@ eval-adaptive:         ## adaptive scheduling vs the best static config coalesce
 soak:                  ## SOAK_S seconds (600) of mixed load, bad inputs, Redis restarted twice, a stub killed; writes perf/results/soak-*
 	@bash scripts/setup.sh --dev
 	$(BIN)/python -m perf.soak --duration-s $(SOAK_S) $(SOAK_ARGS)
+
+vllm-ci-full:          ## the vLLM backend's additional-outputs test, all 1458 cases, on smollm2; writes perf/results/vllm-ci-<date>.md
+	@bash scripts/setup.sh --dev
+	VLLM_CI_REPORT=perf/results/vllm-ci-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow $(PYTEST_ARGS) \
+	  tests/integration/test_vllm_backend_ci.py::test_additional_outputs_every_case
 
 flood:                 ## 64 threads of 1 MiB rows at minilm for FLOOD_SECONDS (60): RSS bounded, canaries answered; writes perf/results/flood-<date>.md
 	@bash scripts/setup.sh --dev

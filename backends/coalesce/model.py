@@ -372,6 +372,9 @@ class _Outbox:
                 stream.send(event)
             except Exception as exc:
                 self._logger.warning(f"sending a generation response failed: {exc!r}")
+            # Hold no stream while waiting for the next: Triton unloads the model only once every
+            # response sender is gone, and this frame would keep the last one alive until then.
+            del item, stream, event
 
 
 class _Stream:
@@ -415,7 +418,10 @@ class _Stream:
                 self._sender.send(response, flags=flags)
             finally:
                 if event.final:
+                    # Let go of the request and its sender even if the send failed (the client gone):
+                    # a sender still referenced holds the model's unload back.
                     self._request = None
+                    self._sender = None
                     self.done.set()
 
 
@@ -430,5 +436,8 @@ class _Responder:
         self._sender = request.get_response_sender()
 
     def __call__(self, result: RequestResult) -> None:
-        self._sender.send(_response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        self._request = None
+        try:
+            self._sender.send(_response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        finally:
+            self._request = None
+            self._sender = None  # a sender still referenced holds the model's unload back

@@ -18,11 +18,13 @@ every parameter at least once).
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -127,8 +129,20 @@ def test_additional_outputs_covering_subset(server, tmp_path, greedy):
 @pytest.mark.timeout(5400)
 def test_additional_outputs_every_case(server, tmp_path):
     folder = vendored(tmp_path, server, additional_outputs_test=ADDITIONAL_OUTPUTS_PROMPT)
+    started = time.monotonic()
     output = run_pytest(folder, "additional_outputs_test.py", timeout_s=5400)
     assert "1458 passed" in output, output
+    report = os.environ.get("VLLM_CI_REPORT")
+    if report:  # `make vllm-ci-full` records the last result
+        summary = output.strip().splitlines()[-1]
+        Path(report).write_text(
+            f"# vLLM backend's L0_additional_outputs_vllm, every case ({datetime.date.today():%Y%m%d})\n\n"
+            f"- command: `make vllm-ci-full` (`pytest -m slow tests/integration/test_vllm_backend_ci.py"
+            f"::test_additional_outputs_every_case`)\n"
+            f"- upstream: triton-inference-server/vllm_backend at 8de0c14, `ci/L0_additional_outputs_vllm/"
+            f"additional_outputs_test.py` as it is, against the shipped `{MODEL}` on a real tritonserver "
+            f"(prompt \"In this example, we\": see the test's docstring)\n"
+            f"- result: {summary} ({time.monotonic() - started:.0f} s on {os.cpu_count()} cores)\n")
 
 
 def test_exclude_input_in_output_and_invalid_models(server, repository, tmp_path, greedy):
