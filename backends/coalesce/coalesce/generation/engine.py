@@ -47,7 +47,7 @@ from coalesce.generation.sampling import Choice, Penalties, Row, sample
 from coalesce.generation.text import IncrementalText
 from coalesce.observability.log import Logger
 from coalesce.observability.metrics import GenerationMetrics
-from coalesce.runtimes.cores import CoreBoard, marked, set_idle_priority, threads_of_this_process
+from coalesce.runtimes.cores import CoreBoard, marked, sharing_note, start_borrowed
 from coalesce.settings import GenerateOptions
 
 #: The level of a request that sets no ``priority_level`` (Triton's convention: 1 is the highest).
@@ -315,19 +315,16 @@ class GenerationEngine:
         board = self.board
         if board is None or board.cores <= board.own_threads or self.model.device.type != "cpu":
             return
-        before = threads_of_this_process()
-        torch.set_num_threads(board.cores)
-        with torch.inference_mode():
-            torch.ones(1 << 20).mul_(2)  # an elementwise op large enough to run in parallel
-            torch.ones(256, 256) @ torch.ones(256, 256)
-        borrowed = threads_of_this_process() - before
-        idle = self.borrowed_thread_priority == "idle"
-        count = set_idle_priority(borrowed) if idle else len(borrowed)
+        def wide_region() -> None:
+            torch.set_num_threads(board.cores)
+            with torch.inference_mode():
+                torch.ones(1 << 20).mul_(2)  # an elementwise op large enough to run in parallel
+                torch.ones(256, 256) @ torch.ones(256, 256)
+
+        _, count = start_borrowed(wide_region, self.borrowed_thread_priority)
         torch.set_num_threads(board.own_threads)
         self._threads_now = board.own_threads
-        self.logger.info(f"core sharing: a step runs on {board.cores} cores while no other model computes, else on "
-                         f"{board.own_threads}; {count} borrowed threads at {self.borrowed_thread_priority} "
-                         f"priority; board {board.path} slot {board.slot}")
+        self.logger.info(sharing_note(board, board.own_threads, count, self.borrowed_thread_priority, unit="step"))
 
     def _run(self) -> None:
         self._borrow_threads()

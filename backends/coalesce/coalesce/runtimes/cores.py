@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 
@@ -208,6 +208,26 @@ def set_idle_priority(thread_ids: set[int]) -> int:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             changed += 1
     return changed
+
+
+T = TypeVar("T")
+
+
+def start_borrowed(start: Callable[[], T], priority: str) -> tuple[T, int]:
+    """Run ``start`` (it starts the threads a wide pass borrows), lowering them to ``priority``; its result, how many.
+
+    ``priority`` ``idle`` puts the new threads at ``SCHED_IDLE``; anything else leaves them.
+    """
+    before = threads_of_this_process()
+    result = start()
+    borrowed = threads_of_this_process() - before
+    return result, (set_idle_priority(borrowed) if priority == "idle" else len(borrowed))
+
+
+def sharing_note(board: CoreBoard, own_threads: int, borrowed: int, priority: str, *, unit: str = "pass") -> str:
+    """The load log's line on how a model shares the cores through ``board``."""
+    return (f"core sharing: a {unit} runs on {board.cores} cores while no other model computes, else on "
+            f"{own_threads}; {borrowed} borrowed threads at {priority} priority; board {board.path} slot {board.slot}")
 
 
 def open_board(own_threads: int, warn: Callable[[str], None]) -> CoreBoard | None:

@@ -11,7 +11,7 @@ import onnxruntime as ort
 from coalesce.core.errors import ConfigError, RuntimeFailure
 from coalesce.core.tensors import ONNX_TO_TRITON, GraphIO, GraphTensor
 from coalesce.observability.metrics import Counter
-from coalesce.runtimes.cores import CoreBoard, set_idle_priority, threads_of_this_process
+from coalesce.runtimes.cores import CoreBoard, sharing_note, start_borrowed
 from coalesce.settings import RuntimeOptions
 
 
@@ -113,14 +113,10 @@ class OnnxRuntime:
         self.board = board  # a model on every core still marks the board, so its neighbours keep to their share
         if not 0 < intra < board.cores:
             return f"core sharing: every pass on all {board.cores} cores, marked on {board.path} slot {board.slot}"
-        idle = borrowed_priority == "idle"
-        before = threads_of_this_process()
-        self._wide = _session(self.path, threads=board.cores, inter_op_threads=inter, spinning=spinning,
-                              providers=providers, device_id=device_id)
-        borrowed = threads_of_this_process() - before
-        count = set_idle_priority(borrowed) if idle else len(borrowed)
-        return (f"core sharing: a pass runs on {board.cores} cores while no other model computes, else on {intra}; "
-                f"{count} borrowed threads at {borrowed_priority} priority; board {board.path} slot {board.slot}")
+        self._wide, count = start_borrowed(
+            lambda: _session(self.path, threads=board.cores, inter_op_threads=inter, spinning=spinning,
+                             providers=providers, device_id=device_id), borrowed_priority)
+        return sharing_note(board, intra, count, borrowed_priority)
 
     @classmethod
     def from_options(cls, path: Path, options: RuntimeOptions, *,
