@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             options = batch_options(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.command == "batch" and args.format == "openai":
+        return run_openai_command(options, args, clients)
     if args.command == "batch":
         return run_batch_command(options, clients)
     client = clients[0]
@@ -136,7 +138,11 @@ def add_batch_parser(sub: Any) -> None:
     batch.add_argument("--text-column", default="text", help="column of the texts (default text)")
     batch.add_argument("--pair-column", help="column of the second texts, for a pair model (TEXT_PAIR)")
     # batch.FORMATS, written out: the batch module (pyarrow) is imported only for a batch job.
-    batch.add_argument("--format", choices=("jsonl", "csv", "parquet"), help="input format (default: from the suffix)")
+    batch.add_argument("--format", choices=("jsonl", "csv", "parquet", "openai"),
+                       help="input format (default: from the suffix); openai: an OpenAI batch file (custom_id, "
+                            "method, url, body) to OpenAI's batch output JSONL, each line's model from its body")
+    batch.add_argument("--openai-url", help="with --format openai: the gateway (http://host:port) that answers the "
+                                            "/v1/chat/completions lines")
     batch.add_argument("--output-name", help="model output to write (default: the model's only output)")
     batch.add_argument("--rejects", type=Path, help="JSONL of rejected rows: line, id, reason, raw line "
                                                      "(default OUTPUT.rejects.jsonl)")
@@ -154,6 +160,14 @@ def add_batch_parser(sub: Any) -> None:
                        help="show the progress bar (default: when standard error is a terminal)")
     shown.add_argument("--no-progress", dest="progress", action="store_false")
     batch.add_argument("--seed", type=int, default=0, help="seed of the order requests go out in")
+    batch.add_argument("--engine", choices=("local", "ray"), default="local",
+                       help="local: this process sends every request; ray: Ray Data actors do, on the cluster at "
+                            "--ray-address (pip install \"coalesce[ray]\"); --url node: each Ray node's own server "
+                            "(its COALESCE_TRITON_URL)")
+    batch.add_argument("--ray-address", help="the Ray cluster's head (host:port, or auto; default: a Ray instance "
+                                             "started for the job)")
+    batch.add_argument("--ray-batch-rows", type=int, default=4096,
+                       help="rows of one Ray batch: sorted and sent by one actor, written as one part (default 4096)")
     batch.add_argument("--tokenizer", type=Path, help="the served model's tokenizer.json: rows are sorted by exact "
                                                       "token counts (default: an estimate from words and punctuation)")
 
@@ -168,12 +182,14 @@ def batch_options(args: argparse.Namespace) -> Any:
 
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     return BatchOptions(input_path=args.input, output_path=args.output, id_column=args.id_column,
-                        text_column=args.text_column, pair_column=args.pair_column, input_format=args.format,
+                        text_column=args.text_column, pair_column=args.pair_column,
+                        input_format=None if args.format == "openai" else args.format,
                         output_name=args.output_name, rejects_path=args.rejects, work_dir=args.work_dir,
                         rows_per_request=args.rows_per_request, concurrency=args.concurrency,
                         max_concurrency=args.max_concurrency, part_rows=args.part_rows,
                         part_interval_s=args.part_interval_s, restart=args.restart, keep_parts=args.keep_parts,
-                        progress=progress, seed=args.seed, tokenizer=args.tokenizer)
+                        progress=progress, seed=args.seed, tokenizer=args.tokenizer,
+                        engine=args.engine, ray_address=args.ray_address, ray_batch_rows=args.ray_batch_rows)
 
 
 def run_batch_command(options: Any, clients: list[EmbeddingClient]) -> int:
@@ -194,6 +210,47 @@ def run_batch_command(options: Any, clients: list[EmbeddingClient]) -> int:
     finally:
         for client in clients:
             client.close()
+    json.dump(report.as_dict(), sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+def run_openai_command(options: Any, args: argparse.Namespace, unused: list[EmbeddingClient]) -> int:
+    """Run an OpenAI batch file (``--format openai``), with clients per model on every ``--url``; print its report."""
+    from coalesce_client.batch.openai import run_openai_batch
+
+    for client in unused:  # made for --model; each line names its own
+        client.close()
+    tls = (TlsOptions(args.ca_cert, args.client_cert, args.client_key)
+           if args.ca_cert or args.client_cert or args.client_key else None)
+    headers = parse_headers(args.header, args.header_env)
+    made: dict[str, list[EmbeddingClient]] = {}
+
+    def clients_for(model: str) -> list[EmbeddingClient]:
+        if model not in made:
+            made[model] = [EmbeddingClient(url, protocol=args.protocol, model=model, timeout_s=args.timeout_s,
+                                           retry=RetryPolicy(max_attempts=args.max_attempts), tls=tls,
+                                           headers=headers) for url in args.url or [None]]
+        return made[model]
+
+    try:
+        report = run_openai_batch(options, clients_for, openai_url=args.openai_url, headers=headers,
+                                  chat_timeout_s=args.timeout_s, chat_attempts=args.max_attempts)
+    except ClientError as exc:
+        sys.stderr.write(f"coalesce-client: {type(exc).__name__}: {exc}\n")
+        return 1
+    except ValueError as exc:
+        sys.stderr.write(f"coalesce-client: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write(f"coalesce-client: interrupted; the work done is kept in {options.parts}: run the same "
+                         "command again to resume\n")
+        sys.stderr.flush()
+        os._exit(130)
+    finally:
+        for clients in made.values():
+            for client in clients:
+                client.close()
     json.dump(report.as_dict(), sys.stdout)
     sys.stdout.write("\n")
     return 0

@@ -26,8 +26,8 @@ with like. The output is therefore not in input order: join on the id.
 The package, a concern per file: ``options`` (the job), ``inputs`` (reading rows and their
 rejects), ``model`` (what the model takes and returns), ``planning`` (requests and
 concurrency), ``endpoints`` (the servers), ``outputs`` (part files and the output file),
-``state`` (resuming), ``report`` (what a run says) and the engines: ``local`` (this process
-sends every request).
+``state`` (resuming), ``report`` (what a run says), ``openai`` (OpenAI batch files, through
+the engine) and the engines: ``local`` (this process sends every request).
 """
 
 from coalesce_client.batch.endpoints import Endpoint, EndpointPool
@@ -43,6 +43,16 @@ from coalesce_client.batch.inputs import (
 )
 from coalesce_client.batch.local import run_batch
 from coalesce_client.batch.model import DEFAULT_MAX_REQUEST_BYTES, TRITON_DTYPES, ModelIO, discover, model_io
+from coalesce_client.batch.openai import (
+    OPENAI_URLS,
+    BatchLine,
+    ChatSender,
+    GatewayUnavailableError,
+    LineError,
+    OpenAIBatchReport,
+    read_batch_file,
+    run_openai_batch,
+)
 from coalesce_client.batch.options import FORMATS, SUFFIX_FORMATS, BatchOptions, Clock, Id
 from coalesce_client.batch.outputs import PART_PREFIX, OutputFile, PartWriter, output_schema, part_files
 from coalesce_client.batch.planning import ConcurrencySearch, estimate_tokens, plan_requests, row_lengths
@@ -57,10 +67,11 @@ from coalesce_client.batch.state import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_REQUEST_BYTES", "FORMATS", "MAX_REJECT_MESSAGES", "PART_PREFIX", "RAW_CHARS", "SERVER_REJECTS_FILE",
-    "STATE_FILE", "SUFFIX_FORMATS", "TRITON_DTYPES", "BatchOptions", "BatchReport", "Clock", "ConcurrencySearch",
-    "Endpoint", "EndpointPool", "Id", "InputRows", "ModelIO", "OutputFile", "PartWriter", "Reject", "clip_raw",
+    "DEFAULT_MAX_REQUEST_BYTES", "FORMATS", "MAX_REJECT_MESSAGES", "OPENAI_URLS", "PART_PREFIX", "RAW_CHARS",
+    "SERVER_REJECTS_FILE", "STATE_FILE", "SUFFIX_FORMATS", "TRITON_DTYPES", "BatchLine", "BatchOptions", "BatchReport",
+    "ChatSender", "Clock", "ConcurrencySearch", "Endpoint", "EndpointPool", "GatewayUnavailableError", "Id",
+    "InputRows", "LineError", "ModelIO", "OpenAIBatchReport", "OutputFile", "PartWriter", "Reject", "clip_raw",
     "discover", "estimate_tokens", "finished_ids", "job_state", "model_io", "open_work_dir", "output_schema",
-    "part_files", "plan_requests", "read_csv", "read_input", "read_jsonl", "read_parquet", "read_server_rejects",
-    "row_lengths", "run_batch",
+    "part_files", "plan_requests", "read_batch_file", "read_csv", "read_input", "read_jsonl", "read_parquet",
+    "read_server_rejects", "row_lengths", "run_batch", "run_openai_batch"
 ]

@@ -66,7 +66,8 @@ class InputRows:
         return len(self.ids)
 
 
-_MISSING: Final = object()
+#: A column the row does not have (``None`` is a null, which a row may also hold).
+MISSING: Final = object()
 
 
 def _kind(value: object) -> str:
@@ -94,21 +95,23 @@ def clip_raw(text: str) -> str:
     return text if len(text) <= RAW_CHARS else text[:RAW_CHARS] + f"... ({len(text)} characters)"
 
 
-class _Collector:
+class RowChecker:
     """Checks rows one by one and keeps the valid ones; every reason names the column and what it holds."""
 
     def __init__(self, id_column: str, text_column: str, pair_column: str | None) -> None:
+        """Check rows of ``id_column`` and ``text_column`` (and ``pair_column``); ``rows`` holds the result."""
         self.id_column, self.text_column, self.pair_column = id_column, text_column, pair_column
         self.rows = InputRows(ids=[], texts=[], pairs=[] if pair_column else None, lines=[], rejects=[])
         self._first_line: dict[Id, int] = {}
         self._id_kind: str | None = None
 
     def reject(self, line: int, reason: str, raw: str, row_id: Id | None = None) -> None:
+        """Leave the row on ``line`` out, for ``reason``."""
         self.rows.rejects.append(Reject(line, reason, clip_raw(raw), row_id))
 
     def _text(self, column: str, value: object) -> bytes | str:
         """The text as UTF-8, or the reason it is not one."""
-        if value is _MISSING:
+        if value is MISSING:
             return f"missing {column!r}"
         if not isinstance(value, str):
             return f"{column!r} must be a string, got {_kind(value)}"
@@ -119,9 +122,10 @@ class _Collector:
         except UnicodeEncodeError:
             return f"{column!r} is not valid UTF-8"
 
-    def add(self, line: int, raw: str, row_id: object, text: object, pair: object = _MISSING) -> None:
-        if row_id is _MISSING or row_id is None:
-            self.reject(line, f"missing {self.id_column!r}" if row_id is _MISSING else f"{self.id_column!r} is null",
+    def add(self, line: int, raw: str, row_id: object, text: object, pair: object = MISSING) -> None:
+        """Keep the row if its id and texts are usable (``MISSING`` for a column it lacks), else reject it."""
+        if row_id is MISSING or row_id is None:
+            self.reject(line, f"missing {self.id_column!r}" if row_id is MISSING else f"{self.id_column!r} is null",
                         raw)
             return
         if isinstance(row_id, bool) or not isinstance(row_id, int | str):
@@ -169,7 +173,7 @@ class _Collector:
 def read_jsonl(path: Path, id_column: str = "id", text_column: str = "text",
                pair_column: str | None = None) -> InputRows:
     """Rows of a JSONL file: one JSON object per line; blank lines are skipped."""
-    rows = _Collector(id_column, text_column, pair_column)
+    rows = RowChecker(id_column, text_column, pair_column)
     with open(path, "rb") as stream:
         for number, data in enumerate(stream, start=1):
             data = data.rstrip(b"\r\n")
@@ -187,8 +191,8 @@ def read_jsonl(path: Path, id_column: str = "id", text_column: str = "text",
             if not isinstance(record, dict):
                 rows.reject(number, f"expected a JSON object, got {_kind(record)}", raw)
                 continue
-            rows.add(number, raw, record.get(id_column, _MISSING), record.get(text_column, _MISSING),
-                     record.get(pair_column, _MISSING) if pair_column else _MISSING)
+            rows.add(number, raw, record.get(id_column, MISSING), record.get(text_column, MISSING),
+                     record.get(pair_column, MISSING) if pair_column else MISSING)
     return rows.rows
 
 
@@ -199,7 +203,7 @@ def read_csv(path: Path, id_column: str = "id", text_column: str = "text",
     Raises:
         BatchJobError: The header lacks a column the job needs.
     """
-    rows = _Collector(id_column, text_column, pair_column)
+    rows = RowChecker(id_column, text_column, pair_column)
     consumed: list[str] = []
 
     def lines(stream: IO[str]) -> Iterator[str]:
@@ -245,8 +249,8 @@ def read_csv(path: Path, id_column: str = "id", text_column: str = "text",
                     rows.reject(line, f"expected {len(header)} fields, found {len(fields)}", raw)
                     continue
                 row_id: object = fields[where[id_column]]
-                rows.add(line, raw, row_id if row_id != "" else _MISSING, fields[where[text_column]],
-                         fields[where[pair_column]] if pair_column else _MISSING)
+                rows.add(line, raw, row_id if row_id != "" else MISSING, fields[where[text_column]],
+                         fields[where[pair_column]] if pair_column else MISSING)
     finally:
         csv.field_size_limit(limit)
     return rows.rows
@@ -265,7 +269,7 @@ def read_parquet(path: Path, id_column: str = "id", text_column: str = "text",
     Raises:
         BatchJobError: A column is missing, or has a type that cannot hold ids or texts.
     """
-    rows = _Collector(id_column, text_column, pair_column)
+    rows = RowChecker(id_column, text_column, pair_column)
     rows.rows.noun = "row"
     try:
         source = pq.ParquetFile(path)
@@ -290,7 +294,7 @@ def read_parquet(path: Path, id_column: str = "id", text_column: str = "text",
             record = {name: values[name][i] for name in columns}
             raw = json.dumps(record, ensure_ascii=False, default=str)
             rows.add(number, raw, record[id_column], record[text_column],
-                     record[pair_column] if pair_column else _MISSING)
+                     record[pair_column] if pair_column else MISSING)
     return rows.rows
 
 

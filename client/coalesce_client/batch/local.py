@@ -201,6 +201,8 @@ def run_batch(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
               log: Callable[[str], None] | None = None, clock: Clock = time.monotonic) -> BatchReport:
     """Run (or resume) a bulk job over ``clients`` (one per server, the same model); returns what it did.
 
+    ``options.engine`` ``ray`` hands the job to ``ray_engine.run_batch_ray``.
+
     Args:
         options: The job.
         clients: One client per server; their model, protocol, deadline and retries are used.
@@ -212,13 +214,17 @@ def run_batch(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
             the server failed); what was finished is kept, and running it again resumes.
         ClientError: The model is unknown or access is denied (found before anything is sent).
     """
+    if options.engine == "ray":
+        from coalesce_client.batch.ray_engine import run_batch_ray
+
+        return run_batch_ray(options, clients, log=log, clock=clock)
     started = clock()
     progress = Progress(False, 0, 0)
 
     def say(line: str) -> None:
         (log or progress.write)(line)  # beside the progress bar once there is one
 
-    io, clients = discover(clients, options, say)
+    io, clients = discover(clients, say, output=options.output_name, pair=options.pair_column is not None)
     rows = read_input(options)
     read_s = clock() - started
     id_kind = "integer" if rows.ids and isinstance(rows.ids[0], int) else "string"

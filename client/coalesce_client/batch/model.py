@@ -9,7 +9,6 @@ from typing import Any, Final
 
 import numpy as np
 
-from coalesce_client.batch.options import BatchOptions
 from coalesce_client.client import EmbeddingClient
 from coalesce_client.errors import (
     BatchJobError,
@@ -142,9 +141,9 @@ def model_io(config: Mapping[str, Any], *, output: str | None = None, pair: bool
 
 
 
-def discover(clients: Sequence[EmbeddingClient], options: BatchOptions,
-             log: Callable[[str], None]) -> tuple[ModelIO, list[EmbeddingClient]]:
-    """The model's I/O, read from every server's config; the servers that answered, in order.
+def discover(clients: Sequence[EmbeddingClient], log: Callable[[str], None], *, output: str | None = None,
+             pair: bool = False) -> tuple[ModelIO, list[EmbeddingClient]]:
+    """The model's I/O (``model_io``), read from every server's config; the servers that answered, in order.
 
     Raises:
         BatchJobError: No server answered, or two servers serve the model differently.
@@ -160,7 +159,7 @@ def discover(clients: Sequence[EmbeddingClient], options: BatchOptions,
             log(f"coalesce-client: {client.url} does not answer ({type(exc).__name__}); going on without it")
             last = exc
             continue
-        io = model_io(config, output=options.output_name, pair=options.pair_column is not None)
+        io = model_io(config, output=output, pair=pair)
         if found is not None and io != found:
             raise BatchJobError(f"{client.url} serves {client.model!r} differently from {answered[0].url}: "
                                 f"{io} against {found}")

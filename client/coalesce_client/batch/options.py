@@ -11,6 +11,8 @@ from coalesce_client.errors import (
     BatchJobError,
 )
 
+#: Engines that run a job: this process (``local``), or a Ray cluster's actors (``ray``).
+ENGINES: Final = ("local", "ray")
 #: Input formats, and the file suffixes that name them.
 FORMATS: Final = ("jsonl", "csv", "parquet")
 SUFFIX_FORMATS: Final = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -47,6 +49,12 @@ class BatchOptions:
         tokenizer: The served model's Hugging Face ``tokenizer.json``: rows are sorted by their
             exact token counts (truncated at the model's ``max_sequence_length``). None: by an
             estimate from their words and punctuation (``estimate_tokens``).
+        engine: ``local`` (this process sends every request) or ``ray`` (Ray Data actors do, on
+            the cluster at ``ray_address``; ``pip install "coalesce[ray]"``).
+        ray_address: The Ray cluster (``host:port`` of its head, or ``auto``); None: a Ray
+            instance started for the job on this machine.
+        ray_batch_rows: Rows of one Ray batch: each is sorted by length and cut into requests by
+            one actor, and written as one part file (a retried batch rewrites the same file).
     """
 
     input_path: Path
@@ -70,6 +78,9 @@ class BatchOptions:
     seed: int = 0
     cooldown_s: float = 5.0
     tokenizer: Path | None = None
+    engine: str = "local"
+    ray_address: str | None = None
+    ray_batch_rows: int = 4096
 
     def __post_init__(self) -> None:
         """Reject settings that cannot work, naming the field and value."""
@@ -85,7 +96,9 @@ class BatchOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value!r}")
-        for name in ("max_concurrency", "part_rows"):
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        for name in ("max_concurrency", "part_rows", "ray_batch_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         for name in ("part_interval_s", "cooldown_s"):
