@@ -22,7 +22,7 @@ CAPACITY_ARGS ?=
 REPLICAS ?= 2
 CLUSTER_ARGS ?=
 
-.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate bench-openai bench-bulk eval-adaptive load tune soak flood cluster cluster-test capacity vllm-ci-full
+.PHONY: setup setup-dev serve test unit integration lint lock clean bench bench-defaults bench-shared bench-neighbours bench-generate bench-openai bench-bulk eval-adaptive load tune soak flood cluster cluster-test bulk-ray-test capacity vllm-ci-full
 
 setup:                 ## venv with .[serve,export,generate], OS packages, the repository's models, Triton runtime (idempotent)
 	@MODEL_REPOSITORY="$(MODEL_REPOSITORY)" bash scripts/setup.sh
@@ -35,6 +35,10 @@ serve: setup           ## start Triton on $(MODEL_REPOSITORY) and the OpenAI gat
 
 cluster: setup         ## REPLICAS (2) tritonservers on $(MODEL_REPOSITORY), one shared Redis, haproxy in front (HTTP_PORT, GRPC_PORT, HOST; Ctrl-C stops all)
 	$(BIN)/coalesce cluster --replicas $(REPLICAS) --model-repository "$(MODEL_REPOSITORY)" $(CLUSTER_ARGS)
+
+bulk-ray-test:         ## a Ray cluster (head + 2 workers, each beside its own tritonserver), 100 000 rows, a worker killed mid-job: every id exactly once; writes perf/results/bulk-ray-test-<date>.md
+	@bash scripts/setup.sh --dev
+	BULK_RAY_REPORT=perf/results/bulk-ray-test-$$(date -u +%Y%m%d).md $(BIN)/pytest -m slow -s $(PYTEST_ARGS) tests/integration/test_bulk_ray_cluster.py
 
 cluster-test:          ## 2 replicas behind haproxy under traffic, one killed mid-run, a late one warm from Redis; writes perf/results/cluster-<date>.md
 	@bash scripts/setup.sh --dev

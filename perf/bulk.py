@@ -23,6 +23,8 @@ Each round measures, one after the other on the same machine:
   itself. Rows/s is the job's own: reading, sorting, sending and merging the output
   included, Python's start-up not. ``bulk-1x2``: the same through ``1x2``. ``bulk-est``:
   through ``2x1`` without ``--tokenizer`` (rows sorted by estimated token counts).
+  ``bulk-ray``: through ``2x1`` with ``--engine ray`` (a one-node Ray instance the job starts,
+  on the same cores; its start-up is in the job's time).
 - ``online``, ``online-1x2``: one text per HTTP request at concurrency 16, closed loop
   (``perf.closed_loop``), texts of the same corpus, through ``2x1`` and ``1x2``.
 
@@ -62,14 +64,15 @@ ONLINE_CONCURRENCY: Final = 16
 DEFAULT_PRICE_PER_CORE_HOUR: Final = 0.05
 #: Texts per workload: enough for each bulk job to run 10-20 s here, so that its fixed costs (reading the
 #: file, counting tokens, merging the output) weigh as they would on a real job.
-DEFAULT_COUNTS: Final = {"queries": 10000, "documents": 3000}
+DEFAULT_COUNTS: Final = {"queries": 10000, "documents": 3000, "mixed": 3000}
 #: Every served variant: no row cache, ONNX Runtime not spin-waiting.
 SERVED_PARAMETERS: Final = {**repository.NO_CACHE, "thread_spinning": "false"}
 #: Served layouts of the two cores: model name -> (instances, ONNX Runtime intra-op threads; 0: every core).
 LAYOUTS: Final = {"1x2": (1, 0), "2x1": (2, 1)}
 #: Systems measured per round, in order, and the layout each goes through.
-SYSTEMS: Final = ("limit", "bulk", "bulk-1x2", "bulk-est", "online", "online-1x2")
-SYSTEM_LAYOUT: Final = {"bulk": "2x1", "bulk-1x2": "1x2", "bulk-est": "2x1", "online": "2x1", "online-1x2": "1x2"}
+SYSTEMS: Final = ("limit", "bulk", "bulk-1x2", "bulk-est", "bulk-ray", "online", "online-1x2")
+SYSTEM_LAYOUT: Final = {"bulk": "2x1", "bulk-1x2": "1x2", "bulk-est": "2x1", "bulk-ray": "2x1", "online": "2x1",
+                        "online-1x2": "1x2"}
 #: The shipped config's instance group, which a layout replaces.
 INSTANCE_GROUP: Final = "instance_group [ { count: 1, kind: KIND_CPU } ]"
 
@@ -130,10 +133,11 @@ def parallel_limit(pipelines: Sequence[Any], texts: Sequence[str]) -> tuple[floa
 
 
 def batch_command(python: Path, grpc_url: str, model: str, source: Path, output: Path,
-                  tokenizer: Path | None = None) -> list[str]:
+                  tokenizer: Path | None = None, engine: str = "local") -> list[str]:
     """The bulk job as a user runs it (a fresh output each time, no progress bar)."""
     return [str(python), "-m", "coalesce_client.cli", "--url", grpc_url, "--model", model, "batch", str(source),
-            str(output), "--restart", "--no-progress", *(["--tokenizer", str(tokenizer)] if tokenizer else [])]
+            str(output), "--restart", "--no-progress", *(["--tokenizer", str(tokenizer)] if tokenizer else []),
+            *(["--engine", engine] if engine != "local" else [])]
 
 
 def summarize(points: Sequence[Mapping[str, Any]], profiles: Sequence[str], *, price_per_core_hour: float,
@@ -191,7 +195,8 @@ def markdown(run: Mapping[str, Any]) -> str:
              "Parquet through `2x1` (a subprocess; rows/s of the job's whole run: reading, counting tokens, "
              "sending and the merged output; Python's start-up not), concurrency found by the job. `bulk-1x2`: the "
              "same through `1x2`. `bulk-est`: through `2x1` without `--tokenizer` (rows sorted by estimated token "
-             "counts).",
+             "counts). `bulk-ray`: as `bulk-est` with `--engine ray` (a one-node Ray instance started by the job on "
+             "the same cores, its start-up counted; Ray's actors sort by estimated counts).",
              f"- `online`: one text per HTTP request, closed loop at concurrency {ONLINE_CONCURRENCY}, "
              f"{run['online_duration_s']:g} s after a warm-up, same server and texts, through `2x1` (`online-1x2`: "
              "through `1x2`).",
@@ -199,8 +204,9 @@ def markdown(run: Mapping[str, Any]) -> str:
              "$ per 1M rows = that / (rows/s x 3600) x 1e6. Client and server share the same cores, so this is "
              "the whole job's cost.", "",
              "| workload | limit rows/s | bulk rows/s | bulk / limit (target >= 0.9) | bulk-1x2 (/ limit) | "
-             "bulk-est (/ limit) | online c=16 | $/1M rows bulk | $/1M rows online | bulk / online |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "bulk-est (/ limit) | bulk-ray (/ limit) | online c=16 | $/1M rows bulk | $/1M rows online | "
+             "bulk / online |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in run["summary"]:
         rounds = ", ".join(f"{r:.2f}" for r in row["bulk_over_limit_rounds"])
         verdict = "met" if row["met"] else "missed"
@@ -208,6 +214,7 @@ def markdown(run: Mapping[str, Any]) -> str:
                      f"**{_fmt(row['bulk_over_limit'], 2)}** ({verdict}; rounds {rounds}) | "
                      f"{_fmt(row['bulk-1x2_rows_per_s'])} ({_fmt(row['bulk-1x2_over_limit'], 2)}) | "
                      f"{_fmt(row['bulk-est_rows_per_s'])} ({_fmt(row['bulk-est_over_limit'], 2)}) | "
+                     f"{_fmt(row.get('bulk-ray_rows_per_s'))} ({_fmt(row.get('bulk-ray_over_limit'), 2)}) | "
                      f"{_fmt(row['online_rows_per_s'])} | {_fmt(row['bulk_cost_per_m_rows'], 3)} | "
                      f"{_fmt(row['online_cost_per_m_rows'], 3)} | {_times(row['bulk_over_online'])} |")
     lines += ["", "On the one-instance layout (`1x2`), against its in-process counterpart (the one-pipeline limit), "
@@ -233,7 +240,7 @@ def markdown(run: Mapping[str, Any]) -> str:
 
 
 def bulk_point(python: Path, grpc_url: str, model: str, source: Path, workdir: Path,
-               tokenizer: Path | None) -> dict[str, Any]:
+               tokenizer: Path | None, engine: str = "local") -> dict[str, Any]:
     """Run the bulk job once; its report, and the wall time seen from outside (Python's start-up included).
 
     Raises:
@@ -241,8 +248,8 @@ def bulk_point(python: Path, grpc_url: str, model: str, source: Path, workdir: P
     """
     output = workdir / f"{source.stem}.parquet"
     started = time.perf_counter()
-    done = subprocess.run(batch_command(python, grpc_url, model, source, output, tokenizer), capture_output=True,
-                          text=True, timeout=3600)
+    done = subprocess.run(batch_command(python, grpc_url, model, source, output, tokenizer, engine),
+                          capture_output=True, text=True, timeout=3600)
     outside_s = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"the bulk job failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -276,9 +283,10 @@ def limit_point(single: Mapping[str, Any], parallel: Sequence[Any], texts: Seque
 def main(argv: list[str] | None = None) -> int:
     """Build the corpora, serve both layouts, measure every system per round, write the report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", nargs="+", default=["queries", "documents"], choices=workloads.PROFILES[:2])
-    parser.add_argument("--count", type=int, help="texts per workload (default: queries "
-                        f"{DEFAULT_COUNTS['queries']}, documents {DEFAULT_COUNTS['documents']})")
+    parser.add_argument("--profiles", nargs="+", default=["queries", "documents", "mixed"],
+                        choices=[p for p in workloads.PROFILES if p != "duplicates"])
+    parser.add_argument("--count", type=int, help="texts per workload (default: "
+                        + ", ".join(f"{k} {v}" for k, v in DEFAULT_COUNTS.items()) + ")")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--online-duration-s", type=float, default=15.0)
@@ -338,10 +346,11 @@ def main(argv: list[str] | None = None) -> int:
                 for profile, texts in corpora.items():
                     here = {"round": round_index, "profile": profile}
                     record({**here, "system": "limit", **limit_point(single, parallel, texts)})
-                    for system in ("bulk", "bulk-1x2", "bulk-est"):
+                    for system in ("bulk", "bulk-1x2", "bulk-est", "bulk-ray"):
                         point = bulk_point(Path(sys.executable), server.grpc_url,
                                            f"minilm_{SYSTEM_LAYOUT[system]}", sources[profile], workdir,
-                                           None if system == "bulk-est" else tokenizer)
+                                           None if system in ("bulk-est", "bulk-ray") else tokenizer,
+                                           "ray" if system == "bulk-ray" else "local")
                         record({**here, "system": system, **point})
                     for system in ("online", "online-1x2"):
                         record({**here, "system": system,

@@ -7,6 +7,8 @@ same seed gives the same workload everywhere. Profiles:
 - ``queries``: 3 to 16 words, like search queries.
 - ``documents``: mostly short snippets and sentences, with a long tail of passages past 128 tokens.
 - ``duplicates``: Zipf-distributed draws over a small set of queries (for caching work).
+- ``mixed``: a bulk corpus of mixed lengths: mostly queries and sentences, with a tail of
+  passages to the model's 256 tokens.
 
 Written as perf_analyzer ``--input-data`` JSON: ``{"data": [{"TEXT": {"content": [...], "shape": [1]}}, ...]}``.
 """
@@ -22,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Final
 
-PROFILES: Final = ("queries", "documents", "duplicates")
+PROFILES: Final = ("queries", "documents", "duplicates", "mixed")
 _SENTENCE_END: Final = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 _PROSE_CHARS: Final = re.compile(r"[A-Za-z ,.;:'()?!-]")
 
@@ -92,6 +94,24 @@ def documents(count: int, seed: int = 0) -> list[str]:
     return _distinct(make, count, random.Random(f"documents-{seed}"))
 
 
+def mixed(count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct texts: 50% queries of 3-16 words, 35% a sentence, 10% 2-4, 5% 5-12 (past 256 tokens)."""
+    corpus = sentences()
+
+    def make(rng: random.Random) -> str:
+        start = rng.randrange(len(corpus))
+        roll = rng.random()
+        if roll < 0.5:
+            words = corpus[start].split()
+            size = rng.randint(3, 16)
+            first = rng.randint(0, max(0, len(words) - size))
+            return " ".join(words[first:first + size]).rstrip(".,;:")
+        size = 1 if roll < 0.85 else rng.randint(2, 4) if roll < 0.95 else rng.randint(5, 12)
+        return " ".join(corpus[(start + i) % len(corpus)] for i in range(size))
+
+    return _distinct(make, count, random.Random(f"mixed-{seed}"))
+
+
 def duplicates(count: int, seed: int = 0, unique: int = 200, exponent: float = 1.1) -> list[str]:
     """``count`` draws, Zipf over ``unique`` distinct queries (rank r drawn with weight r^-exponent)."""
     pool = queries(unique, seed)
@@ -107,6 +127,8 @@ def generate(profile: str, count: int, seed: int = 0) -> list[str]:
         return documents(count, seed)
     if profile == "duplicates":
         return duplicates(count, seed)
+    if profile == "mixed":
+        return mixed(count, seed)
     raise ValueError(f"unknown profile {profile!r}; expected one of {', '.join(PROFILES)}")
 
 

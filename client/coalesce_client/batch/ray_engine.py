@@ -20,6 +20,7 @@ a shared file system).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -50,6 +51,8 @@ REJECTS_PREFIX: Final = "rejects-"
 #: The column of a JSONL line's own error (bad JSON, a mistyped id), and of its raw text.
 INPUT_ERROR_COLUMN: Final = "_coalesce_input_error"
 RAW_COLUMN: Final = "_coalesce_raw"
+#: Ray CPUs an actor asks for.
+ACTOR_CPUS: Final = 0.25
 
 
 def batch_name(ids: Sequence[Any], raws: Sequence[str]) -> str:
@@ -263,7 +266,10 @@ def run_batch_ray(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
     reachable = [c for c in clients if c.url != NODE]
     if not reachable:
         try:
-            reachable = [EmbeddingClient(url, **_client_settings(clients)) for url in resolve_urls(NODE)]
+            first = clients[0]
+            reachable = [EmbeddingClient(url, protocol=first.protocol, model=first.model, timeout_s=first.timeout_s,
+                                         retry=first.retry, tls=first.tls, headers=first.headers)
+                         for url in resolve_urls(NODE)]
         except ValueError as exc:
             raise BatchJobError(f"{exc}: give the driver a server to read the model's config from (--url)") from None
     io: ModelIO
@@ -278,45 +284,55 @@ def run_batch_ray(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
     if resumed:
         say(f"coalesce-client: resuming {options.output_path}: {len(done)} rows finished and {len(rejected)} "
             "rejected earlier")
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        # "local": a fresh instance, not a cluster that `ray start` left running on this machine.
-        ray.init(address=options.ray_address or "local", include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, configure_logging=True)
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = options.progress
-    context.verbose_progress = False
-    try:
-        dataset = _read(options, id_kind)
-        if done or rejected:
-            dataset = dataset.map_batches(unfinished, batch_format="pyarrow", batch_size=options.ray_batch_rows,
-                                          fn_kwargs={"id_column": options.id_column,
-                                                     "done": ray.put(done | rejected)})
-        actors = options.concurrency or max(1, len(urls)) * io.instances
-        settings = _client_settings(clients)
-        model = settings.pop("model")
-        counts = dataset.map_batches(
-            PartWritingModel, batch_format="pyarrow", batch_size=options.ray_batch_rows,
-            compute=ray.data.ActorPoolStrategy(size=actors),
-            num_cpus=0.25, max_restarts=-1, max_task_retries=-1,
-            fn_constructor_args=(urls, model),
-            fn_constructor_kwargs={"directory": str(directory), "schema": schema, "text_column": options.text_column,
-                                   "pair_column": options.pair_column, "id_column": options.id_column,
-                                   "output_name": io.output, "cooldown_s": options.cooldown_s, **settings})
-        send_started = clock()
-        sent = written = 0
-        for batch in counts.iter_batches(batch_format="pyarrow", batch_size=None):
-            written += sum(batch.column("rows").to_pylist())
-            sent += sum(batch.column("rows").to_pylist()) + sum(batch.column("rejected").to_pylist())
-        send_s = clock() - send_started
-    except Exception as exc:
-        if isinstance(exc, BatchJobError):
-            raise
-        raise BatchJobError(f"the Ray job stopped: {type(exc).__name__}: {exc}; the rows written are kept in "
-                            f"{directory}: run the job again to resume") from exc
-    finally:
+    # Ray prints what its workers and raylets say (a retried task, a dead node) on standard output, which
+    # holds the job's JSON report: standard error is where messages go.
+    with contextlib.redirect_stdout(sys.stderr):
+        owns_ray = not ray.is_initialized()
         if owns_ray:
-            ray.shutdown()
+            # "local": a fresh instance, not a cluster that `ray start` left running on this machine.
+            ray.init(address=options.ray_address or "local", include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING, configure_logging=True)
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = options.progress
+        context.verbose_progress = False
+        try:
+            dataset = _read(options, id_kind)
+            if done or rejected:
+                dataset = dataset.map_batches(unfinished, batch_format="pyarrow", batch_size=options.ray_batch_rows,
+                                              fn_kwargs={"id_column": options.id_column,
+                                                         "done": ray.put(done | rejected)})
+            # Blocks of one batch each: a single Parquet file (one row group) reads as one block, which one actor
+            # would run alone; a lost actor's retry then redoes one batch, not a whole file.
+            dataset = dataset.repartition(target_num_rows_per_block=options.ray_batch_rows)
+            actors = options.concurrency or max(1, len(urls)) * io.instances
+            settings = _client_settings(clients)
+            model = settings.pop("model")
+            counts = dataset.map_batches(
+                PartWritingModel, batch_format="pyarrow", batch_size=options.ray_batch_rows,
+                compute=ray.data.ActorPoolStrategy(size=actors),
+                # A quarter of a CPU: an actor mostly waits on its server. Not 0, which would let actors onto a node
+                # that offers no CPU (a head kept free of work, without a server beside it). Ray Data restarts a lost
+                # actor and retries its batch (an actor pool's defaults).
+                num_cpus=ACTOR_CPUS,
+                fn_constructor_args=(urls, model),
+                fn_constructor_kwargs={"directory": str(directory), "schema": schema,
+                                       "text_column": options.text_column, "pair_column": options.pair_column,
+                                       "id_column": options.id_column, "output_name": io.output,
+                                       "cooldown_s": options.cooldown_s, **settings})
+            send_started = clock()
+            sent = written = 0
+            for batch in counts.iter_batches(batch_format="pyarrow", batch_size=None):
+                written += sum(batch.column("rows").to_pylist())
+                sent += sum(batch.column("rows").to_pylist()) + sum(batch.column("rejected").to_pylist())
+            send_s = clock() - send_started
+        except Exception as exc:
+            if isinstance(exc, BatchJobError):
+                raise
+            raise BatchJobError(f"the Ray job stopped: {type(exc).__name__}: {exc}; the rows written are kept in "
+                                f"{directory}: run the job again to resume") from exc
+        finally:
+            if owns_ray:
+                ray.shutdown()
     merge_started = clock()
     output = OutputFile(options.output_path, schema)
     seen: set[Any] = set()
