@@ -15,6 +15,10 @@ Reads committed results and computes, for a target of rows per second at a p99:
    replica (``hit_rate_without_tier``).
 4. **Bulk beside online** (when a ``perf.bulk`` result is given): replica-hours per million
    rows for a bulk job and for online serving at concurrency 16.
+5. **Bulk on N Ray nodes** (when that result has ``bulk-ray`` points): a job's wall time and
+   rows/s on N nodes, each a machine like the measured one with its own server, from the
+   measured one-node Ray job: its start-up, its sending rate, and the driver's merge per row
+   (``ray_scaling``).
 
 Writes ``perf/results/capacity-<yyyymmdd>.md`` and ``.json``.
 """
@@ -134,6 +138,48 @@ def bulk_costs(bulk_run: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+#: Nodes and job sizes of the Ray scaling table.
+RAY_NODES: Final = (1, 2, 4, 8, 16, 64)
+RAY_JOB_ROWS: Final = (1e6, 1e8, 1e9)
+
+
+def ray_wall_s(rows: float, nodes: int, *, start_s: float, node_rows_per_s: float, merge_s_per_row: float) -> float:
+    """A Ray job's wall time on ``nodes`` nodes: start-up, the rows sent at every node's rate, the driver's merge."""
+    return start_s + rows / (nodes * node_rows_per_s) + rows * merge_s_per_row
+
+
+def ray_scaling(bulk_run: Mapping[str, Any], *, nodes: Sequence[int] = RAY_NODES,
+                job_rows: Sequence[float] = RAY_JOB_ROWS) -> list[dict[str, Any]]:
+    """Per profile with ``bulk-ray`` points: the measured one-node terms and the modelled table for N nodes.
+
+    The terms are medians over rounds of the one-node job's reports: start-up (its wall time less
+    sending and merging: Ray's start, reading, planning), sending rate (rows written over seconds
+    sending), and the driver's merge per output row. The local engine's rows/s on the same server
+    is shown beside them: the most one node's server gave a job.
+    """
+    out = []
+    for profile in dict.fromkeys(p["profile"] for p in bulk_run["points"]):
+        reports = [p["report"] for p in bulk_run["points"]
+                   if p["profile"] == profile and p["system"] == "bulk-ray" and p.get("report")]
+        if not reports:
+            continue
+        start_s = median([r["wall_s"] - r["send_s"] - r["merge_s"] for r in reports])
+        node_rate = median([r["written"] / r["send_s"] for r in reports if r["send_s"] > 0])
+        merge = median([r["merge_s"] / max(1, r["output_rows"]) for r in reports])
+        local = median([float(p["rows_per_s"]) for p in bulk_run["points"]
+                        if p["profile"] == profile and p["system"] == "bulk"])
+        table = [{"nodes": n, "rows": rows,
+                  "wall_s": ray_wall_s(rows, n, start_s=start_s, node_rows_per_s=node_rate, merge_s_per_row=merge)}
+                 for rows in job_rows for n in nodes]
+        for row in table:
+            row["rows_per_s"] = row["rows"] / row["wall_s"]
+            row["efficiency"] = row["rows_per_s"] / (row["nodes"] * node_rate)
+        out.append({"profile": profile, "rows_measured": reports[0]["rows"], "start_s": start_s,
+                    "node_rows_per_s": node_rate, "merge_s_per_row": merge, "local_rows_per_s": local,
+                    "table": table})
+    return out
+
+
 def plan(peers_run: Mapping[str, Any], shared_run: Mapping[str, Any], *, rows_per_s: float, p99_ms: float,
          headroom: float, repeat_rates: Sequence[float], profiles: Sequence[str],
          bulk_run: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -164,7 +210,8 @@ def plan(peers_run: Mapping[str, Any], shared_run: Mapping[str, Any], *, rows_pe
                               for r in repeat_rates])
         by_profile.append(entry)
     return {"rows_per_s": rows_per_s, "p99_ms": p99_ms, "headroom": headroom, "profiles": by_profile,
-            "bulk": bulk_costs(bulk_run) if bulk_run else None}
+            "bulk": bulk_costs(bulk_run) if bulk_run else None,
+            "ray": ray_scaling(bulk_run) if bulk_run else None}
 
 
 def markdown(run: Mapping[str, Any]) -> str:
@@ -211,6 +258,23 @@ def markdown(run: Mapping[str, Any]) -> str:
                   f"{b['bulk_replica_hours_per_1m']:.2f} | {b['online_replica_hours_per_1m']:.2f} | "
                   f"{b['online_replica_hours_per_1m'] / b['bulk_replica_hours_per_1m']:.2f}x |" for b in run["bulk"]]
         lines.append("")
+    for entry in run.get("ray") or []:
+        lines += [f"## Bulk on N Ray nodes: {entry['profile']}", "",
+                  f"Measured on one node (`bulk-ray`, {entry['rows_measured']} rows, the server and the job on the "
+                  f"same cores): start-up {entry['start_s']:.1f} s (Ray's start, reading, planning), sending "
+                  f"{entry['node_rows_per_s']:.1f} rows/s, the driver's merge {entry['merge_s_per_row'] * 1e6:.1f} us "
+                  f"a row. The local engine on the same server: {_num(entry['local_rows_per_s'])} rows/s.", "",
+                  "wall = start-up + rows / (N x sending rate) + rows x merge; each node a machine like this one "
+                  "with its own server.", "",
+                  "| rows | nodes | wall | rows/s | of N x one node |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {row['rows']:.0e} | {row['nodes']} | {_duration(row['wall_s'])} | {row['rows_per_s']:.0f} | "
+                  f"{row['efficiency']:.0%} |" for row in entry["table"]]
+        lines.append("")
+    if run.get("ray"):
+        lines += ["Ray model assumptions: nodes add sending rate linearly (each has its own server, and Ray's "
+                  "scheduling and the shared file system do not limit them); start-up is what one node took and does "
+                  "not grow with nodes; the merge into one output file runs on the driver alone, so it bounds a huge "
+                  "job (at that size the part files would be the output; the engine merges them today).", ""]
     lines += ["## Assumptions", "",
               "- A replica serves what the one measured server served: same model, config, cores and client load "
               "shape. The per-replica numbers were measured with the load generator on the same 2 cores as the "
@@ -228,6 +292,18 @@ def markdown(run: Mapping[str, Any]) -> str:
               "caches, and the tier saves less for them.",
               ""]
     return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def latest(pattern: str) -> Path:

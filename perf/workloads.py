@@ -7,8 +7,8 @@ same seed gives the same workload everywhere. Profiles:
 - ``queries``: 3 to 16 words, like search queries.
 - ``documents``: mostly short snippets and sentences, with a long tail of passages past 128 tokens.
 - ``duplicates``: Zipf-distributed draws over a small set of queries (for caching work).
-- ``mixed``: a bulk corpus of mixed lengths: mostly queries and sentences, with a tail of
-  passages to the model's 256 tokens.
+- ``mixed``: a bulk corpus of mixed lengths: mostly queries, some sentences, and a thin tail
+  of passages past the model's 256 tokens.
 
 Written as perf_analyzer ``--input-data`` JSON: ``{"data": [{"TEXT": {"content": [...], "shape": [1]}}, ...]}``.
 """
@@ -95,18 +95,18 @@ def documents(count: int, seed: int = 0) -> list[str]:
 
 
 def mixed(count: int, seed: int = 0) -> list[str]:
-    """``count`` distinct texts: 50% queries of 3-16 words, 35% a sentence, 10% 2-4, 5% 5-12 (past 256 tokens)."""
+    """``count`` distinct texts: 80% queries of 3-16 words, 15% a sentence, 4% 2-4, 1% 5-12 (past 256 tokens)."""
     corpus = sentences()
 
     def make(rng: random.Random) -> str:
         start = rng.randrange(len(corpus))
         roll = rng.random()
-        if roll < 0.5:
+        if roll < 0.8:
             words = corpus[start].split()
             size = rng.randint(3, 16)
             first = rng.randint(0, max(0, len(words) - size))
             return " ".join(words[first:first + size]).rstrip(".,;:")
-        size = 1 if roll < 0.85 else rng.randint(2, 4) if roll < 0.95 else rng.randint(5, 12)
+        size = 1 if roll < 0.95 else rng.randint(2, 4) if roll < 0.99 else rng.randint(5, 12)
         return " ".join(corpus[(start + i) % len(corpus)] for i in range(size))
 
     return _distinct(make, count, random.Random(f"mixed-{seed}"))

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -99,7 +100,7 @@ class RowModel:
                  output_column: str | None = None, protocol: str = "grpc", timeout_s: float = 60.0,
                  max_attempts: int | None = None, headers: Mapping[str, str] | None = None,
                  tls: TlsOptions | None = None, in_flight: int = 2, cooldown_s: float = 5.0,
-                 log: Callable[[str], None] | None = None) -> None:
+                 tokenizer: str | None = None, log: Callable[[str], None] | None = None) -> None:
         """Connect to ``model`` on ``urls`` (``host:port``; ``node``: the server beside this Ray node).
 
         Args:
@@ -117,6 +118,8 @@ class RowModel:
             tls: gRPC over TLS.
             in_flight: Requests of one batch sent at once: one computing while the next travels.
             cooldown_s: Seconds a server that failed is left alone.
+            tokenizer: The model's ``tokenizer.json`` (a path on every node): rows are sorted by
+                exact token counts; None: by an estimate (``estimate_tokens``).
             log: Where messages go (default: standard error, which Ray collects per worker).
 
         Raises:
@@ -142,6 +145,7 @@ class RowModel:
         self._lock = threading.Lock()  # the pool's counts: requests of a batch are sent from several threads
         self._executor = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="coalesce-ray")
         self.max_failures = 2 * len(answered) + 1
+        self.tokenizer = Path(tokenizer) if tokenizer else None
 
     # --- one batch -------------------------------------------------------------------------------------------
 
@@ -200,7 +204,7 @@ class RowModel:
                  values: np.ndarray) -> dict[int, str]:
         """Fill ``values`` for ``rows``; returns the rows the server refused, with its reason."""
         lengths = row_lengths([texts[i] for i in rows], [pairs[i] for i in rows] if pairs is not None else None,
-                              max_tokens=self.io.max_sequence_length)
+                              tokenizer=self.tokenizer, max_tokens=self.io.max_sequence_length)
         sizes = np.array([len(texts[i]) + (len(pairs[i]) if pairs is not None else 0) for i in rows], dtype=np.int64)
         plan = plan_requests(lengths, sizes, max_rows=self.io.max_rows, max_bytes=self.io.max_request_bytes,
                              max_tokens=self.io.max_batch_tokens, seed=None)

@@ -72,3 +72,17 @@ def test_bulk_and_online_cost_in_replica_hours_per_million_rows():
     text = capacity.markdown({"run": "t", "command": "c", "rows_per_s": 1, "p99_ms": 1, "headroom": 1, "profiles": [],
                               "sources": {"peers": "p", "peers_machine": "m", "shared": "s"}, "bulk": [costs]})
     assert "| q | 500.0 | 250.0 | 0.56 | 1.11 | 2.00x |" in text
+
+
+def test_the_ray_model_adds_nodes_to_the_sending_rate_only():
+    report = {"rows": 3000, "wall_s": 20.0, "send_s": 15.0, "merge_s": 0.03, "written": 3000, "output_rows": 3000}
+    run = {"points": [{"profile": "q", "system": "bulk-ray", "rows_per_s": 150.0, "report": report},
+                      {"profile": "q", "system": "bulk", "rows_per_s": 270.0, "report": {}}]}
+    [entry] = capacity.ray_scaling(run, nodes=(1, 4), job_rows=(1e6,))
+    assert entry["start_s"] == pytest.approx(4.97) and entry["node_rows_per_s"] == pytest.approx(200.0)
+    assert entry["merge_s_per_row"] == pytest.approx(1e-5) and entry["local_rows_per_s"] == 270.0
+    one, four = entry["table"]
+    assert one["wall_s"] == pytest.approx(4.97 + 1e6 / 200 + 10.0)
+    assert four["wall_s"] == pytest.approx(4.97 + 1e6 / 800 + 10.0)
+    assert four["efficiency"] == pytest.approx(1e6 / four["wall_s"] / 800)
+    assert capacity.ray_scaling({"points": [{"profile": "q", "system": "bulk", "rows_per_s": 1.0}]}) == []

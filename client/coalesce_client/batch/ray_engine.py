@@ -318,7 +318,8 @@ def run_batch_ray(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
                 fn_constructor_kwargs={"directory": str(directory), "schema": schema,
                                        "text_column": options.text_column, "pair_column": options.pair_column,
                                        "id_column": options.id_column, "output_name": io.output,
-                                       "cooldown_s": options.cooldown_s, **settings})
+                                       "cooldown_s": options.cooldown_s,
+                                       "tokenizer": str(options.tokenizer) if options.tokenizer else None, **settings})
             send_started = clock()
             sent = written = 0
             for batch in counts.iter_batches(batch_format="pyarrow", batch_size=None):
