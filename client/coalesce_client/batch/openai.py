@@ -71,6 +71,7 @@ from coalesce_client.batch.model import model_io
 from coalesce_client.batch.options import BatchOptions, Clock
 from coalesce_client.batch.outputs import fsync_replace
 from coalesce_client.batch.planning import row_lengths
+from coalesce_client.batch.state import open_work_dir
 from coalesce_client.client import EmbeddingClient
 from coalesce_client.errors import BatchJobError, ModelNotFoundError, RequestTimeoutError, ServerUnavailableError
 
@@ -735,28 +736,7 @@ def open_openai_work_dir(options: BatchOptions) -> bool:
         BatchJobError: The folder holds another input's run (or this one, changed since), or the
             output exists without a working folder; ``restart`` starts over instead.
     """
-    directory = options.parts
-    if options.restart and directory.exists():
-        shutil.rmtree(directory)
-    state = _job_state(options.input_path)
-    saved_path = directory / OPENAI_STATE_FILE
-    if saved_path.is_file():
-        saved = json.loads(saved_path.read_text())
-        differs = [key for key in state if saved.get(key) != state[key]]
-        if differs:
-            detail = ", ".join(f"{key} {saved.get(key)!r} then, {state[key]!r} now" for key in differs)
-            raise BatchJobError(f"{directory} holds another job's work ({detail}): pass --restart to start over, or "
-                                "give another output")
-        return True
-    if options.output_path.exists() and not options.restart:
-        raise BatchJobError(f"{options.output_path} exists: pass --restart to compute it again, or give another "
-                            "output")
-    directory.mkdir(parents=True, exist_ok=True)
-    options.output_path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = saved_path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(state, indent=1) + "\n")
-    fsync_replace(temporary, saved_path)
-    return False
+    return open_work_dir(options, _job_state(options.input_path), state_file=OPENAI_STATE_FILE)
 
 
 def _run_group(group: RowGroup, options: BatchOptions, clients: Sequence[EmbeddingClient],

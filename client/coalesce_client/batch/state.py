@@ -53,14 +53,17 @@ def job_state(options: BatchOptions, io: ModelIO) -> dict[str, Any]:
             "output": io.output, "output_dims": list(io.output_dims), "output_type": io.output_type}
 
 
-def open_work_dir(options: BatchOptions, state: Mapping[str, Any]) -> bool:
+def open_work_dir(options: BatchOptions, state: Mapping[str, Any], *, state_file: str = STATE_FILE) -> bool:
     """Prepare the working folder for ``state``; returns whether it holds an earlier run of the same job.
+
+    ``state`` is saved as ``state_file`` in the folder (a job of another engine or format names
+    its own) and compared with on the next run.
 
     Raises:
         BatchJobError: The folder holds another job's parts, or the output exists without them.
     """
     directory = options.parts
-    saved_path = directory / STATE_FILE
+    saved_path = directory / state_file
     if options.restart and directory.exists():
         shutil.rmtree(directory)
     if saved_path.is_file():

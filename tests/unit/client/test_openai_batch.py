@@ -426,7 +426,7 @@ def test_a_changed_input_an_existing_output_and_restart(tmp_path):
         write_job(path, [request("e1", "/v1/embeddings", {"model": "emb", "input": "x"}), chat("c", "hi")])
         run_openai_batch(options(tmp_path), Servers(), sender=ScriptedSender(fail_after=0))
     write_job(path, [request("e1", "/v1/embeddings", {"model": "emb", "input": "changed"}), chat("c", "hi")])
-    with pytest.raises(BatchJobError, match=r"holds another job's work .*pass --restart"):
+    with pytest.raises(BatchJobError, match=r"holds the parts of another job .*pass --restart"):
         run_openai_batch(options(tmp_path), Servers(), sender=ScriptedSender())
     servers = Servers()
     run_openai_batch(options(tmp_path, restart=True), servers, sender=ScriptedSender())
