@@ -166,6 +166,8 @@ def ray_scaling(bulk_run: Mapping[str, Any], *, nodes: Sequence[int] = RAY_NODES
         start_s = median([r["wall_s"] - r["send_s"] - r["merge_s"] for r in reports])
         node_rate = median([r["written"] / r["send_s"] for r in reports if r["send_s"] > 0])
         merge = median([r["merge_s"] / max(1, r["output_rows"]) for r in reports])
+        if start_s is None or node_rate is None or merge is None:
+            continue  # a job that sent nothing measured no rate
         local = median([float(p["rows_per_s"]) for p in bulk_run["points"]
                         if p["profile"] == profile and p["system"] == "bulk"])
         table = [{"nodes": n, "rows": rows,
