@@ -38,7 +38,14 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    for attempt in range(2):  # a loaded machine sometimes misses Ray's start-up timeout once
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     logging_level="WARNING")
+            break
+        except RuntimeError:
+            if attempt:
+                raise
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()

@@ -191,7 +191,8 @@ def test_priority_orders_admission_when_the_running_set_is_full(server, reposito
             return thread
 
         short = {"max_tokens": 3, "temperature": 0}
-        running = send("running", {"max_tokens": 48, "ignore_eos": True, "temperature": 0})
+        # Long enough (about 5 s here, more under load) that all four wait behind it however slow the machine.
+        running = send("running", {"max_tokens": 160, "ignore_eos": True, "temperature": 0})
         time.sleep(1.0)  # it holds the one place now
         waiting = [send("late 5a", {**short, "priority_level": 5})]
         time.sleep(0.2)

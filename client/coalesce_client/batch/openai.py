@@ -45,6 +45,7 @@ in memory (OpenAI's own limit is 50,000 requests a file).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import http.client
@@ -838,10 +839,16 @@ def run_openai_batch(options: BatchOptions, clients_for: Callable[[str], Sequenc
         if line.error is not None:
             answers[line.line] = Answer(line.error.status, _request_id(), error=line.error)
     row_jobs = []
-    for group in row_groups(lines):
-        found, summary = _run_group(group, options, clients_for(group.model), say, clock)
-        answers.update(found)
-        row_jobs.append(summary)
+    groups = row_groups(lines)
+    # One Ray session for every row job of the file: Ray started again in one process may not come up.
+    # Imported here: the Ray engine imports coalesce_client.ray, which imports this package.
+    from coalesce_client.batch.ray_engine import ray_session
+
+    with ray_session(options) if options.engine == "ray" and groups else contextlib.nullcontext():
+        for group in groups:
+            found, summary = _run_group(group, options, clients_for(group.model), say, clock)
+            answers.update(found)
+            row_jobs.append(summary)
     chat = [line for line in lines if line.error is None and line.kind == "chat"]
     chat_sent = chat_skipped = 0
     if chat:

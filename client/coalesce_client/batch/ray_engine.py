@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -241,6 +241,35 @@ def _client_settings(clients: Sequence[EmbeddingClient]) -> dict[str, Any]:
             "max_attempts": first.retry.max_attempts, "headers": dict(first.headers or {}) or None, "tls": first.tls}
 
 
+@contextlib.contextmanager
+def ray_session(options: BatchOptions) -> Iterator[None]:
+    """Ray for a job: connected (or a local instance started) unless it already is, and let go after if started here.
+
+    Several jobs of one process (an OpenAI file's row jobs) share one session: Ray started again in
+    the same process after a shutdown may not come up. Inside, standard output is standard error:
+    Ray prints what its workers and raylets say (a retried task, a dead node) on standard output,
+    which holds the job's JSON report.
+
+    Raises:
+        BatchJobError: Ray is not installed.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise BatchJobError('--engine ray needs Ray: pip install "coalesce[ray]"') from None
+    with contextlib.redirect_stdout(sys.stderr):
+        owns = not ray.is_initialized()
+        if owns:
+            # "local": a fresh instance, not a cluster that `ray start` left running on this machine.
+            ray.init(address=options.ray_address or "local", include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING, configure_logging=True)
+        try:
+            yield
+        finally:
+            if owns:
+                ray.shutdown()
+
+
 def run_batch_ray(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
                   log: Callable[[str], None] | None = None, clock: Clock = time.monotonic) -> BatchReport:
     """Run (or resume) a job on Ray: the same input, output, rejects and report as ``run_batch``'s local engine.
@@ -284,14 +313,7 @@ def run_batch_ray(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
     if resumed:
         say(f"coalesce-client: resuming {options.output_path}: {len(done)} rows finished and {len(rejected)} "
             "rejected earlier")
-    # Ray prints what its workers and raylets say (a retried task, a dead node) on standard output, which
-    # holds the job's JSON report: standard error is where messages go.
-    with contextlib.redirect_stdout(sys.stderr):
-        owns_ray = not ray.is_initialized()
-        if owns_ray:
-            # "local": a fresh instance, not a cluster that `ray start` left running on this machine.
-            ray.init(address=options.ray_address or "local", include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING, configure_logging=True)
+    with ray_session(options):
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = options.progress
         context.verbose_progress = False
@@ -331,9 +353,6 @@ def run_batch_ray(options: BatchOptions, clients: Sequence[EmbeddingClient], *,
                 raise
             raise BatchJobError(f"the Ray job stopped: {type(exc).__name__}: {exc}; the rows written are kept in "
                                 f"{directory}: run the job again to resume") from exc
-        finally:
-            if owns_ray:
-                ray.shutdown()
     merge_started = clock()
     output = OutputFile(options.output_path, schema)
     seen: set[Any] = set()
