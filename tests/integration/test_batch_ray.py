@@ -127,7 +127,9 @@ def test_ray_data_callables_embed_and_score_in_a_users_pipeline(server, batch_mo
                   ("TEXT_PAIR", np.array([[d.encode()] for _, d in pairs], dtype=object), "BYTES")],
                  ["SCORES"])["SCORES"][:, 0]
     got_scores = [next(r["scores"] for r in scored if r["id"] == i) for i in range(len(pairs))]
-    np.testing.assert_allclose(got_scores, want, atol=1e-4)
+    # minilm_rerank ships INT8 with dynamic activation scales: a score moves with the rows Triton batches it with
+    # (up to 0.02 seen on a loaded machine), so the same pairs batched otherwise agree to that, not bit for bit.
+    np.testing.assert_allclose(got_scores, want, atol=0.03)
 
 
 def test_an_openai_batch_file_through_ray_answers_as_through_the_local_engine(server, tmp_path, local_ray):

@@ -172,7 +172,9 @@ def test_priority_orders_admission_when_the_running_set_is_full(server, reposito
     from tests.integration.conftest import add_model
 
     name = "smollm2_one_at_a_time"
-    add_model(repository, name, source=built(MODEL).parent, parameters={"max_active_sequences": "1"})
+    # The waiting requests may wait longer than the shipped max_queue_wait_ms on a loaded machine.
+    add_model(repository, name, source=built(MODEL).parent,
+              parameters={"max_active_sequences": "1", "max_queue_wait_ms": "120000"})
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.load_model(name)
     try:
