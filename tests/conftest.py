@@ -22,6 +22,10 @@ TEST_REPOSITORY = ROOT / "tests" / "models"
 TEST_MODELS = ("tinylm", "minilm_cross_encoder")
 #: Test models of task ``generate``.
 TEST_GENERATE_MODELS = ("tinylm",)
+#: How close two scores of minilm_rerank (INT8 as shipped) are when the same pairs are batched beside other rows:
+#: ONNX Runtime's dynamic INT8 scales activations per tensor, so a row's score moves with its neighbours (up to
+#: 0.02 seen on a loaded 2-core machine). Bit-identical holds only for a row computed once (the row cache).
+INT8_SCORE_ATOL = 0.03
 
 
 def model_dir(name: str) -> Path:

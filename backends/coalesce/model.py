@@ -13,9 +13,11 @@ and is tested without Triton, for every task.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import json
 import queue
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -94,6 +96,10 @@ class _TritonMetricFactory:
         return self._metric(name, description, pb_utils.MetricFamily.HISTOGRAM, labels,
                             buckets=[float(b) for b in buckets])
 
+
+# SIGUSR1 makes a stub print every thread's Python stack to the server's log: how to see where a model that
+# does not answer or does not unload is stuck (the launcher sends it to stubs still running after a drain).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 class TritonPythonModel:
     """One model instance of the ``coalesce`` backend."""

@@ -488,13 +488,28 @@ class TritonServer:
             return False  # the server is already going: its own shutdown takes over
         return False
 
+    def _dump_stubs(self) -> None:
+        """Have every stub still running print its threads' stacks to the server log (the stub's SIGUSR1).
+
+        Called when a drain left models loaded: their stubs are the ones still running, and
+        the stacks say what holds the unload.
+        """
+        stubs = programs_under(self._workdir)
+        for pid in stubs:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+        if stubs:
+            time.sleep(0.5)  # the stacks reach the log before the server stops
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Drain (unload every model), then stop with SIGINT (Triton's shutdown), then SIGKILL after ``timeout_s``."""
         self.stop_supervising()
         process = self._process
         if process is not None:
             if process.poll() is None:
-                self.drain(min(timeout_s, self.options.exit_timeout_s))
+                drained = self.drain(min(timeout_s, self.options.exit_timeout_s))
+                if not drained and self.options.model_control != "poll":
+                    self._dump_stubs()
                 process.send_signal(signal.SIGINT)
                 try:
                     process.wait(timeout=timeout_s)

@@ -226,3 +226,17 @@ def test_grpc_tls_round_trip(guarded, certificates):
             plain.is_server_live(client_timeout=5)
     finally:
         plain.close()
+
+
+def test_sigusr1_prints_a_stubs_stacks_to_the_server_log(server, http_client):
+    """A stub sent SIGUSR1 prints its threads' Python stacks to the log (what a stuck unload is debugged with),
+    and keeps serving."""
+    stub = next(s for s in stub_processes(server.pid) if s.model == "minilm" and not s.dead)
+    os.kill(stub.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "most recent call first" not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = server.log_text()
+    assert "most recent call first" in log and "model.py" in log, log[-2000:]
+    assert http_client.is_model_ready("minilm")
+    assert _embed(server.http_url, ["still serving"]).shape == (1, 384)
