@@ -137,7 +137,13 @@ class TritonPythonModel:
             _TritonMetricFactory(), interval_s=settings.metrics.metrics_interval_ms / 1000,
             on_error=lambda exc: logger.error(f"sending metrics failed: {exc!r}"))
         adapter = _GenerateModel if settings.task.task == GENERATE_TASK else _RowModel
-        self._model: _GenerateModel | _RowModel = adapter(config, settings, args, self._metric_factory, logger)
+        try:
+            self._model: _GenerateModel | _RowModel = adapter(config, settings, args, self._metric_factory, logger)
+        except BaseException:
+            # Triton never calls finalize after a failed initialize: a flusher thread left running keeps the
+            # stub, and with it the server's model, alive (the server's stop then waits out its exit timeout).
+            self._metric_factory.close(flush=False)
+            raise
         logger.info(f"loaded version {args['model_version']} from {args['model_repository']} on instance "
                     f"{args['model_instance_name']}: task '{settings.task.task}'; parameters set {settings.changed()}")
 

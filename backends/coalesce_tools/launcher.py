@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from coalesce_tools.config import ConfigReadError, parameter, read_model_config
-from coalesce_tools.processes import programs_under
+from coalesce_tools.processes import programs_under, stub_processes
 from coalesce_tools.supervisor import Supervisor, SupervisorOptions
 
 CONTAINER_ROOT: Final = Path("/opt/tritonserver")
@@ -489,17 +489,23 @@ class TritonServer:
         return False
 
     def _dump_stubs(self) -> None:
-        """Have every stub still running print its threads' stacks to the server log (the stub's SIGUSR1).
+        """Log the models a drain left loaded, and have each stub still running print its threads' stacks.
 
-        Called when a drain left models loaded: their stubs are the ones still running, and
-        the stacks say what holds the unload.
+        The stacks (the stub's SIGUSR1) say what holds the unload; each is headed by a
+        ``launcher:`` line naming the stub's model.
         """
-        stubs = programs_under(self._workdir)
-        for pid in stubs:
+        states: dict[str, str] = {}
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
+            states = Supervisor(lambda: self.pid, self.http_url, headers=self.admin_headers).model_states()
+        left = {model: state for model, state in states.items() if state in ("READY", "LOADING", "UNLOADING")}
+        self._supervisor_log(f"launcher: the drain left {left or 'no model'} loaded; stacks of running stubs follow")
+        for stub in stub_processes(self.pid) if self.pid is not None else []:
+            if stub.dead:
+                continue
+            self._supervisor_log(f"launcher: stacks of stub {stub.pid}, model {stub.model!r} ({stub.instance}):")
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGUSR1)
-        if stubs:
-            time.sleep(0.5)  # the stacks reach the log before the server stops
+                os.kill(stub.pid, signal.SIGUSR1)
+            time.sleep(0.5)  # one stub's stacks reach the log before the next stub's
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Drain (unload every model), then stop with SIGINT (Triton's shutdown), then SIGKILL after ``timeout_s``."""

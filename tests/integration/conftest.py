@@ -127,7 +127,9 @@ def server(repository, request):
     request.session.triton_server = triton
     yield triton
     code = triton.stop()
-    assert code in (0, -2), f"tritonserver stopped with code {code}:\n{triton.log_tail()}"
+    log = triton.log_text()
+    dump = log[log.find("launcher: the drain left"):] if "launcher: the drain left" in log else ""
+    assert code in (0, -2), f"tritonserver stopped with code {code}:\n{triton.log_tail()}\n{dump[:20000]}"
 
 
 def _stub_crashes() -> list[str] | str:

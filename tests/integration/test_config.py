@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from coalesce_tools.processes import stub_processes
 from tests.conftest import REPOSITORY, model_dir
 
 
@@ -36,12 +38,17 @@ def test_broken_config_fails_to_load_clearly(scratch_model, http_client, name, r
     assert http_client.is_model_ready("minilm")
 
 
-def test_missing_onnx_file_is_named(scratch_model, http_client):
+def test_missing_onnx_file_is_named(server, scratch_model, http_client):
     scratch_model("broken_missing_file",
                   replace={r'\{ key: "runtime"': '{ key: "onnx_file", value: { string_value: "nope.onnx" } },\n'
                                                  '  { key: "runtime"'})
     with pytest.raises(InferenceServerException, match=r"ONNX model not found: .*nope\.onnx"):
         http_client.load_model("broken_missing_file")
+    # The failed instance's stub exits (a thread it left running once kept the model alive past the server's stop).
+    deadline = time.monotonic() + 20
+    while any(s.model == "broken_missing_file" and not s.dead for s in stub_processes(server.pid)):
+        assert time.monotonic() < deadline, "the stub of a model that failed to load still runs after 20 s"
+        time.sleep(0.2)
 
 
 def test_reload_with_config_override(scratch_model, http_client, grpc_client):

@@ -25,6 +25,17 @@ def test_nothing_reaches_the_target_before_a_flush_and_everything_after():
     assert target.value("c_total") == 10 and len(target.observations("h_seconds")) == 5
 
 
+
+def test_close_without_flush_stops_the_thread_and_sends_nothing():
+    """What a failed model load does: the flusher thread ends, and nothing more reaches the server."""
+    target = InMemoryMetricFactory()
+    factory = BufferedMetricFactory(target, interval_s=3600)
+    factory.counter("c_total", "c", {}).increment(5)
+    flusher = factory._thread
+    assert flusher is not None and flusher.is_alive()
+    factory.close(flush=False)
+    assert not flusher.is_alive() and target.value("c_total") == 0
+
 def test_increments_from_many_threads_are_all_counted():
     target = InMemoryMetricFactory()
     factory = BufferedMetricFactory(target, interval_s=0.01)

@@ -344,12 +344,13 @@ class BufferedMetricFactory:
         while not self._stop.wait(interval_s):
             self.flush()
 
-    def close(self) -> None:
-        """Stop the flusher thread, then flush what is left."""
+    def close(self, *, flush: bool = True) -> None:
+        """Stop the flusher thread, then (with ``flush``) send what is left."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.flush()
+        if flush:
+            self.flush()
 
 
 class SchedulerMetrics:
