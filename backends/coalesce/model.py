@@ -130,7 +130,7 @@ class TritonPythonModel:
         """Parse settings, then load the task's adapter; a bad config fails the load with its message."""
         config = json.loads(args["model_config"])
         settings = read_settings(config)
-        logger = Logger(settings.model_name, pb_utils.Logger)
+        self._logger = logger = Logger(settings.model_name, pb_utils.Logger)
         # Families must outlive their metrics: the factory keeps them, and the model keeps the factory.
         # Every pb_utils metric call is a round trip to the server: record in process, send from a thread.
         self._metric_factory = BufferedMetricFactory(
@@ -152,8 +152,15 @@ class TritonPythonModel:
         return self._model.execute(requests)
 
     def finalize(self) -> None:
-        """Let the adapter finish what it holds, then send the last metrics."""
-        self._model.close()
+        """Let the adapter finish what it holds, then send the last metrics.
+
+        The metrics thread stops and the cycle collector runs even if the adapter's close
+        fails (that is logged): either left undone keeps the model from unloading.
+        """
+        try:
+            self._model.close()
+        except Exception as exc:
+            self._logger.error(f"closing the model failed: {exc!r}; unloading it anyway")
         self._model = None  # type: ignore[assignment]
         self._metric_factory.close()  # the last values reach Triton before the model goes
         self._metric_factory = None  # type: ignore[assignment]

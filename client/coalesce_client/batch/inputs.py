@@ -70,7 +70,7 @@ class InputRows:
 MISSING: Final = object()
 
 
-def _kind(value: object) -> str:
+def json_kind(value: object) -> str:
     """A value's JSON-ish type name, for messages."""
     if value is None:
         return "null"
@@ -114,7 +114,7 @@ class RowChecker:
         if value is MISSING:
             return f"missing {column!r}"
         if not isinstance(value, str):
-            return f"{column!r} must be a string, got {_kind(value)}"
+            return f"{column!r} must be a string, got {json_kind(value)}"
         if not value:
             return f"{column!r} is empty"
         try:
@@ -129,7 +129,7 @@ class RowChecker:
                         raw)
             return
         if isinstance(row_id, bool) or not isinstance(row_id, int | str):
-            self.reject(line, f"{self.id_column!r} must be a string or an integer, got {_kind(row_id)}", raw)
+            self.reject(line, f"{self.id_column!r} must be a string or an integer, got {json_kind(row_id)}", raw)
             return
         if isinstance(row_id, int) and not -2**63 <= row_id < 2**63:
             self.reject(line, f"{self.id_column!r} {row_id} does not fit in 64 bits", raw)
@@ -144,7 +144,7 @@ class RowChecker:
         if self._id_kind is None:
             self._id_kind = kind
         elif kind != self._id_kind:
-            self.reject(line, f"{self.id_column!r} {row_id!r} is {_kind(row_id)}, but the ids before it are "
+            self.reject(line, f"{self.id_column!r} {row_id!r} is {json_kind(row_id)}, but the ids before it are "
                               f"{self._id_kind}s", raw, row_id)
             return
         encoded = self._text(self.text_column, text)
@@ -189,7 +189,7 @@ def read_jsonl(path: Path, id_column: str = "id", text_column: str = "text",
                 rows.reject(number, f"invalid JSON: {exc.msg} (column {exc.colno})", raw)
                 continue
             if not isinstance(record, dict):
-                rows.reject(number, f"expected a JSON object, got {_kind(record)}", raw)
+                rows.reject(number, f"expected a JSON object, got {json_kind(record)}", raw)
                 continue
             rows.add(number, raw, record.get(id_column, MISSING), record.get(text_column, MISSING),
                      record.get(pair_column, MISSING) if pair_column else MISSING)

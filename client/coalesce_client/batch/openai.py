@@ -67,6 +67,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from coalesce_client.batch.inputs import json_kind
 from coalesce_client.batch.local import run_batch
 from coalesce_client.batch.model import model_io
 from coalesce_client.batch.options import BatchOptions, Clock
@@ -155,25 +156,10 @@ class _Invalid(Exception):
         self.error = LineError(400, code, message, param)
 
 
-def _kind(value: object) -> str:
-    """A JSON value's type name, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    return "an object" if isinstance(value, dict) else type(value).__name__
-
-
 def _text(value: object, where: str, param: str) -> str:
     """``value`` as a non-empty text that UTF-8 can carry, or ``_Invalid`` naming ``where``."""
     if not isinstance(value, str):
-        raise _Invalid(f"'{where}' must be a string, found {_kind(value)}", param)
+        raise _Invalid(f"'{where}' must be a string, found {json_kind(value)}", param)
     if not value:
         raise _Invalid(f"'{where}' is empty: give a non-empty text", param)
     try:
@@ -191,7 +177,7 @@ def _embeddings(body: Mapping[str, Any]) -> tuple[str, ...]:
     if isinstance(value, str):
         texts: tuple[str, ...] = (_text(value, "input", "input"),)
     elif not isinstance(value, list):
-        raise _Invalid(f"'input' must be a string or a non-empty list of strings, found {_kind(value)}", "input")
+        raise _Invalid(f"'input' must be a string or a non-empty list of strings, found {json_kind(value)}", "input")
     elif not value:
         raise _Invalid("'input' is an empty list: give at least one text", "input")
     else:
@@ -239,10 +225,10 @@ def parse_line(line: int, data: bytes, seen: dict[str, int]) -> BatchLine:
                                                      f"invalid JSON: {exc.msg} (column {exc.colno})"))
     if not isinstance(record, dict):
         return BatchLine(line, None, error=LineError(400, "invalid_json",
-                                                     f"expected a JSON object, found {_kind(record)}"))
+                                                     f"expected a JSON object, found {json_kind(record)}"))
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        found = "missing" if "custom_id" not in record else f"found {_kind(custom_id)}"
+        found = "missing" if "custom_id" not in record else f"found {json_kind(custom_id)}"
         if custom_id == "":
             found = "found an empty string"
         return BatchLine(line, None, error=LineError(400, "invalid_request",
@@ -260,10 +246,10 @@ def parse_line(line: int, data: bytes, seen: dict[str, int]) -> BatchLine:
         if not isinstance(url, str) or url not in OPENAI_URLS:
             raise _Invalid(f"'url' is {url!r}: it must be one of {', '.join(OPENAI_URLS)}", "url")
         if not isinstance(body, dict):
-            raise _Invalid(f"'body' must be an object, found {_kind(body)}", "body")
+            raise _Invalid(f"'body' must be an object, found {json_kind(body)}", "body")
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise _Invalid(f"'body.model' must be a non-empty string, found {_kind(model)}", "model")
+            raise _Invalid(f"'body.model' must be a non-empty string, found {json_kind(model)}", "model")
         if url == EMBEDDINGS_URL:
             return BatchLine(line, custom_id, url, body, texts=_embeddings(body))
         if url == RERANK_URL:
