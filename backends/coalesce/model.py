@@ -325,7 +325,10 @@ class _GenerateModel:
                                    version=version, metric_factory=metric_factory, logger=logger, **_instance(args))
         self._static = settings.generate.generation_batching == "request"
         self._batched = settings.max_batch_size > 0
-        self._outbox = _Outbox(logger)
+        self._outbox = _Outbox(logger, metric_factory.gauge(
+            "coalesce_generate_open_responses",
+            "Generation requests whose final response is not sent yet (each holds Triton's unload of the model)",
+            {"model": settings.model_name, "version": version}))
         self._logger = logger
 
     def execute(self, requests: list[Any]) -> None:
@@ -368,14 +371,23 @@ class _Outbox:
     would lengthen every step. From here they go out while the next step computes.
     """
 
-    def __init__(self, logger: Logger) -> None:
+    def __init__(self, logger: Logger, open_gauge: Any) -> None:
         self._queue: queue.SimpleQueue[tuple[_Stream, GenerationEvent] | None] = queue.SimpleQueue()
         self._logger = logger
+        self._open = 0
+        self._open_lock = threading.Lock()
+        self._open_gauge = open_gauge
         self._thread = threading.Thread(target=self._run, name="coalesce-responses", daemon=True)
         self._thread.start()
 
     def put(self, stream: _Stream, event: GenerationEvent) -> None:
         self._queue.put((stream, event))
+
+    def opened(self, change: int) -> None:
+        """Count a stream opened (+1) or finished (-1): the gauge of responses still owed."""
+        with self._open_lock:
+            self._open += change
+            self._open_gauge.set(self._open)
 
     def close(self) -> None:
         """Send what is queued, then stop."""
@@ -412,6 +424,7 @@ class _Stream:
         # whether it was cancelled after that reads freed memory and crashes the server.
         self._lock = threading.Lock()
         self.done = threading.Event()
+        outbox.opened(1)
 
     def __call__(self, event: GenerationEvent) -> None:
         self._outbox.put(self, event)
@@ -439,6 +452,8 @@ class _Stream:
                 if event.final:
                     # Let go of the request and its sender even if the send failed (the client gone):
                     # a sender still referenced holds the model's unload back.
+                    if self._sender is not None:
+                        self._outbox.opened(-1)
                     self._request = None
                     self._sender = None
                     self.done.set()

@@ -499,6 +499,12 @@ class TritonServer:
             states = Supervisor(lambda: self.pid, self.http_url, headers=self.admin_headers).model_states()
         left = {model: state for model, state in states.items() if state in ("READY", "LOADING", "UNLOADING")}
         self._supervisor_log(f"launcher: the drain left {left or 'no model'} loaded; stacks of running stubs follow")
+        with contextlib.suppress(OSError, ValueError), \
+                urllib.request.urlopen(self.metrics_url, timeout=5) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith(("coalesce_generate_open_responses", "coalesce_generate_active",
+                                    "coalesce_generate_waiting")) and any(f'"{m}"' in line for m in left):
+                    self._supervisor_log(f"launcher: {line}")
         for stub in stub_processes(self.pid) if self.pid is not None else []:
             if stub.dead:
                 continue
