@@ -402,7 +402,10 @@ class _Outbox:
             try:
                 stream.send(event)
             except Exception as exc:
-                self._logger.warning(f"sending a generation response failed: {exc!r}")
+                # A final response that fails to go may leave Triton's response factory, and so the model's
+                # unload, held: logged as an error, so it shows among a failed stop's errors.
+                log = self._logger.error if event.final else self._logger.warning
+                log(f"sending a generation {'final ' if event.final else ''}response failed: {exc!r}")
             # Hold no stream while waiting for the next: Triton unloads the model only once every
             # response sender is gone, and this frame would keep the last one alive until then.
             del item, stream, event
