@@ -462,6 +462,10 @@ class TritonServer:
         if self._process is not None and self._process.poll() is None:
             self._process.send_signal(signum)
 
+    def _repository_client(self) -> Supervisor:
+        """A supervisor used only for its repository calls (model states, unload) on this server."""
+        return Supervisor(lambda: self.pid, self.http_url, headers=self.admin_headers)
+
     def drain(self, timeout_s: float) -> bool:
         """Unload every model, so new requests are refused with Triton's "unavailable" while accepted ones finish.
 
@@ -473,7 +477,7 @@ class TritonServer:
         """
         if self.options.model_control == "poll" or self.pid is None:
             return False
-        supervisor = Supervisor(lambda: self.pid, self.http_url, headers=self.admin_headers)
+        supervisor = self._repository_client()
         deadline = time.monotonic() + timeout_s
         try:
             loaded = [m for m, state in supervisor.model_states().items() if state in ("READY", "LOADING")]
@@ -496,7 +500,7 @@ class TritonServer:
         """
         states: dict[str, str] = {}
         with contextlib.suppress(OSError, RuntimeError, ValueError):
-            states = Supervisor(lambda: self.pid, self.http_url, headers=self.admin_headers).model_states()
+            states = self._repository_client().model_states()
         left = {model: state for model, state in states.items() if state in ("READY", "LOADING", "UNLOADING")}
         self._supervisor_log(f"launcher: the drain left {left or 'no model'} loaded; stacks of running stubs follow")
         with contextlib.suppress(OSError, ValueError), \
