@@ -399,6 +399,7 @@ class Streams:
         self._clock = clock
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[RequestRecord, threading.Event]] = {}
+        self._abandoned = False  # requests left in flight at the deadline: cancelled on close
         self._clients = []
         for _ in range(count):
             client = grpcclient.InferenceServerClient(url)
@@ -462,15 +463,22 @@ class Streams:
         with self._lock:
             failed = list(self._pending.values())
             self._pending.clear()
+            self._abandoned = self._abandoned or bool(failed)
         for record, done in failed:
             record.error = reason
             done.set()
 
     def close(self) -> None:
-        """Stop every stream and close the clients."""
+        """Stop every stream (cancelling only what is still in flight) and close the clients.
+
+        Streams with nothing in flight end by closing our side: a cancel meeting a final response
+        can lose the request in Triton 24.10's gRPC frontend, and its model then never unloads.
+        """
+        with self._lock:
+            cancel = self._abandoned or bool(self._pending)
         for client in self._clients:
             try:
-                client.stop_stream(cancel_requests=True)
+                client.stop_stream(cancel_requests=cancel)
             finally:
                 client.close()
 

@@ -11,6 +11,7 @@ generate endpoint; structured output (``response_format``, vLLM's ``guided_*`` i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -32,6 +33,7 @@ openai = pytest.importorskip("openai")
 EMBED = "minilm"
 RERANK = "minilm_rerank"
 CHAT = "smollm2"
+TINY = "tinylm"  # untrained: fast, for what does not read the text
 TEXTS = ["The cat sat on the mat.", "Triton serves models over HTTP and gRPC.", "Coalesce batches requests.",
          "Paris is the capital of France."]
 
@@ -269,6 +271,35 @@ def test_a_client_that_disconnects_cancels_its_generation(server, gateway):
     assert backend_cancelled(server) == before + 1
     page = httpx.get(gateway.url + "/metrics").text
     assert re.search(rf'coalesce_gateway_cancelled_total{{model="{CHAT}"}} [1-9]', page)
+
+
+def test_a_stream_stopped_at_its_final_piece_is_not_cancelled_but_one_left_early_is(server):
+    """The SSE route stops reading at the final piece; that must end the gRPC stream, not cancel it.
+
+    A cancel that meets the final response can lose the request in Triton 24.10's gRPC
+    frontend, and the model then never unloads (the server's stop times out).
+    """
+    from coalesce_tools.gateway.triton import Triton
+
+    async def run() -> list[str]:
+        cancelled: list[str] = []
+        triton = Triton(server.grpc_url, timeout_s=60, on_cancel=cancelled.append)
+        try:
+            whole = triton.generate(TINY, "Once upon a time", {"max_tokens": 4, "temperature": 0})
+            async for piece in whole:
+                if piece.final:
+                    break
+            await whole.aclose()
+            assert cancelled == []
+            left = triton.generate(TINY, "Once upon a time", {"max_tokens": 400, "temperature": 0,
+                                                              "ignore_eos": True})
+            await left.__anext__()
+            await left.aclose()
+        finally:
+            await triton.close()
+        return cancelled
+
+    assert asyncio.run(run()) == [TINY]
 
 
 def test_metrics_count_requests_per_route_and_status(gateway, client):

@@ -106,7 +106,9 @@ def stream(server, model: str, prompt: str, *, parameters: dict | None = None, t
             deadline = time.monotonic() + timeout_s
             while len(texts) < cancel_after and not done.is_set() and time.monotonic() < deadline:
                 time.sleep(0.005)
-            client.stop_stream(cancel_requests=True)
+            # Cancel only a request still running: a cancel meeting the final response can lose the
+            # request in Triton 2.51's gRPC frontend, and the model then never unloads.
+            client.stop_stream(cancel_requests=not done.is_set())
             return texts, errors
         assert done.wait(timeout_s), f"no final response within {timeout_s} s"
     finally:

@@ -68,7 +68,8 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         """Open the channel to Triton for the application's life."""
-        self._triton = Triton(self.options.triton_grpc_url, timeout_s=self.options.request_timeout_s)
+        self._triton = Triton(self.options.triton_grpc_url, timeout_s=self.options.request_timeout_s,
+                              on_cancel=lambda model: self.metrics.cancelled.labels(model).inc())
         self._catalog = Catalog(self._triton.client, self.options.model_repository,
                                 refresh_s=self.options.catalog_refresh_s, admin_key=self.options.triton_admin_key)
         with contextlib.suppress(ApiError):

@@ -305,8 +305,7 @@ async def complete(gateway: Gateway, request: Request, generation: Generation,
     finally:
         gone.cancel()
         if not work.done():
-            work.cancel()
-            gateway.metrics.cancelled.labels(generation.model.name).inc()
+            work.cancel()  # the generation, cancelled in Triton (and counted) as it unwinds
     if not work.done() or work.cancelled():
         return None
     text = work.result()
@@ -347,7 +346,6 @@ async def events(gateway: Gateway, generation: Generation, request_id: str, stre
     """
     head = _envelope(generation, request_id, int(time.time()), chunk=True)
     parts: list[str] = []
-    finished = False
     try:
         if generation.chat:
             yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -366,15 +364,11 @@ async def events(gateway: Gateway, generation: Generation, request_id: str, stre
                                                   _finish_reason(generation, usage), delta=True)]})
         if generation.include_usage:
             yield _event({**head, "choices": [], "usage": usage})
-        finished = True
         yield b"data: [DONE]\n\n"
     except ApiError as exc:
-        finished = True
         yield _event(exc.body())
         yield b"data: [DONE]\n\n"
     finally:
-        if not finished:
-            gateway.metrics.cancelled.labels(generation.model.name).inc()
         await stream.aclose()  # type: ignore[attr-defined]
 
 

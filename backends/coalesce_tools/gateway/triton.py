@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from coalesce_tools.gateway.errors import ApiError, from_triton
+
+#: How long a finished generation's stream may take to end once our side is closed (Triton ends it at once).
+END_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass
@@ -24,14 +27,18 @@ class Generated:
 class Triton:
     """One gRPC channel to Triton, shared by every request of the gateway (unary calls and streams)."""
 
-    def __init__(self, url: str, *, timeout_s: float) -> None:
-        """Open a channel to ``url`` (``host:port`` of Triton's gRPC endpoint)."""
+    def __init__(self, url: str, *, timeout_s: float, on_cancel: Callable[[str], None] = lambda model: None) -> None:
+        """Open a channel to ``url`` (``host:port`` of Triton's gRPC endpoint).
+
+        ``on_cancel(model)`` is called for each generation cancelled in Triton (its client went away).
+        """
         import grpc
         import tritonclient.grpc.aio as grpcclient
         from tritonclient.grpc import service_pb2_grpc
 
         self.url = url
         self.timeout_s = timeout_s
+        self._on_cancel = on_cancel
         self.client = grpcclient.InferenceServerClient(url)
         # Streams go through the generated stub: the aio client's stream_infer cannot ask for
         # Triton's final-response flag, the one sign that a decoupled model has answered in full.
@@ -121,10 +128,12 @@ class Triton:
             await answered.wait()
 
         call = self._stub.ModelStreamInfer(requests(), timeout=self.timeout_s)
-        finished = False
+        finished = False  # Triton answered the request in full (or refused it): nothing to cancel
+        broken = False  # the stream itself failed: nothing left to cancel either
         try:
             async for response in call:
                 if response.error_message:
+                    finished = True
                     raise from_triton(None, response.error_message, model=model)
                 infer = response.infer_response
                 final = infer.parameters["triton_final_response"].bool_param
@@ -133,16 +142,39 @@ class Triton:
                     value = grpcclient.InferResult(infer).as_numpy("text_output")
                     if value is not None and value.size:
                         text = b"".join(bytes(v) for v in value.reshape(-1)).decode("utf-8", errors="replace")
+                # Marked before the yield: a caller that stops at the final piece closes this
+                # generator there, and must not cancel a request that has answered in full.
+                finished = final
                 if text or final:
                     yield Generated(text=text, final=final)
                 if final:
-                    finished = True
                     return
+            broken = True
             raise ApiError(500, f"model '{model}': the stream ended before its final response")
         except grpc.aio.AioRpcError as exc:
+            broken = True
             raise from_triton(str(exc.code()), exc.details() or "", model=model) from None
         finally:
             answered.set()
-            if not finished:
-                # The client left (or the stream failed) before the end: Triton cancels the request.
+            if finished:
+                await _end(call, min(self.timeout_s, END_TIMEOUT_S))
+            elif not broken:
+                # The client left before the end (this generator closed, or its task cancelled, which
+                # cancels the call too): cancelling the stream cancels the request in Triton.
                 call.cancel()
+                self._on_cancel(model)
+
+
+async def _end(call: Any, timeout_s: float) -> None:
+    """Let a stream whose request has answered in full end on its own (our side is closed: Triton ends it).
+
+    Neither cancelled nor dropped unfinished (grpc cancels a call it collects): Triton 24.10's
+    gRPC frontend can lose a stream's request when a cancel meets its final response
+    (triton-inference-server/server#8078), and the model can then never unload.
+    """
+    import grpc
+
+    try:
+        await asyncio.wait_for(call.code(), timeout=timeout_s)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        call.cancel()
