@@ -472,7 +472,7 @@ class Streams:
         """Stop every stream (cancelling only what is still in flight) and close the clients.
 
         Streams with nothing in flight end by closing our side: a cancel meeting a final response
-        can lose the request in Triton 24.10's gRPC frontend, and its model then never unloads.
+        can lose the request in Triton 2.51's gRPC frontend, and its model then never unloads.
         """
         with self._lock:
             cancel = self._abandoned or bool(self._pending)

@@ -168,7 +168,7 @@ class Triton:
 async def _end(call: Any, timeout_s: float) -> None:
     """Let a stream whose request has answered in full end on its own (our side is closed: Triton ends it).
 
-    Neither cancelled nor dropped unfinished (grpc cancels a call it collects): Triton 24.10's
+    Neither cancelled nor dropped unfinished (grpc cancels a call it collects): Triton 2.51's
     gRPC frontend can lose a stream's request when a cancel meets its final response
     (triton-inference-server/server#8078), and the model can then never unload.
     """
