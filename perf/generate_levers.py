@@ -47,14 +47,29 @@ PROMPTS: tuple[str, ...] = (
 
 
 def load(variant: str, model_dir: Path) -> Any:
-    """The ``CausalLM`` of ``variant`` on the CPU."""
+    """The ``CausalLM`` of ``variant`` on the CPU (``+padded``: decoding sequences in one group, as before grouping)."""
     import torch
 
     from coalesce.generation.model import CausalLM
 
-    dtype = torch.bfloat16 if variant == "bf16" else torch.float32
-    return CausalLM(model_dir, device=torch.device("cpu"), dtype=dtype, name=variant,
-                    weights=variant if variant in ("int8", "fp16") else "fp32")
+    base, _, tag = variant.partition("+")
+    if tag not in ("", "padded"):
+        raise SystemExit(f"variant {variant!r}: the only suffix is '+padded'")
+    dtype = torch.bfloat16 if base == "bf16" else torch.float32
+    lm = CausalLM(model_dir, device=torch.device("cpu"), dtype=dtype, name=variant,
+                  weights=base if base in ("int8", "fp16") else "fp32")
+    if tag == "padded":
+        lm.group_overhead_pairs = float("inf")
+    return lm
+
+
+def contexts(sequences: int, context: int, mixed: bool) -> list[int]:
+    """Each sequence's context, longest first (as the engine packs them): all ``context``, or log-uniform 16..it."""
+    if not mixed:
+        return [context] * sequences
+    rng = np.random.default_rng(1)
+    drawn = np.exp(rng.uniform(np.log(16), np.log(context), sequences)).astype(int)
+    return sorted(drawn.tolist(), reverse=True)
 
 
 def new_cache(lm: Any, sequences: int) -> Any:
@@ -85,9 +100,9 @@ def decode_step(tokens: list[int], lengths: list[int]) -> Any:
                      prefills=[], logits_rows=list(range(len(tokens))))
 
 
-def time_cell(lm: Any, cache: Any, sequences: int, context: int, steps: int) -> float:
-    """Median ms of ``steps`` decoding steps of ``sequences`` sequences (logits, then argmax as the engine does)."""
-    step = decode_step([100 + i for i in range(sequences)], [context] * sequences)
+def time_cell(lm: Any, cache: Any, lengths: list[int], steps: int) -> float:
+    """Median ms of ``steps`` decoding steps of sequences of ``lengths`` (logits, then argmax as the engine does)."""
+    step = decode_step([100 + i for i in range(len(lengths))], lengths)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -96,11 +111,11 @@ def time_cell(lm: Any, cache: Any, sequences: int, context: int, steps: int) -> 
     return statistics.median(times) * 1e3
 
 
-def profile_step(lm: Any, cache: Any, sequences: int, context: int) -> dict[str, float]:
+def profile_step(lm: Any, cache: Any, lengths: list[int]) -> dict[str, float]:
     """Milliseconds per step (profiled, so inflated) by kind of work, over 5 steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = decode_step([100 + i for i in range(sequences)], [context] * sequences)
+    step = decode_step([100 + i for i in range(len(lengths))], lengths)
     lm.forward(step, cache)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(5):
@@ -189,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--sequences", default="1,16")
     parser.add_argument("--context", type=int, default=128, help="tokens each sequence holds when it decodes")
+    parser.add_argument("--mixed", action="store_true",
+                        help="contexts log-uniform from 16 to --context (seeded), not all --context")
     parser.add_argument("--steps", type=int, default=6, help="decoding steps timed per cell and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
@@ -217,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(t)
             for n in counts:
                 for v in variants:
-                    ms = time_cell(models[v], caches[v], n, args.context, args.steps)
+                    ms = time_cell(models[v], caches[v], contexts(n, args.context, args.mixed), args.steps)
                     samples.setdefault((v, t, n), []).append(ms)
                     print(f"round {round_} threads {t} sequences {n} {v}: {ms:.1f} ms", flush=True)
     cells = [{"variant": v, "threads": t, "sequences": n, "ms_per_step": round(statistics.median(s), 1),
@@ -228,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                 if args.model_dir.is_relative_to(ROOT)
                                                                 else args.model_dir),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "torch": torch.__version__, "context": args.context, "steps": args.steps, "rounds": args.rounds,
+        "torch": torch.__version__, "context": args.context, "mixed_contexts": args.mixed, "steps": args.steps,
+        "rounds": args.rounds,
         "cells": cells}
     if args.profile:
         torch.set_num_threads(1)
         result["profile_1_thread"] = {f"{v} x{n}": {**{k: round(x, 1) for k, x in
-                                                        profile_step(models[v], caches[v], n, args.context).items()},
+                                                        profile_step(models[v], caches[v],
+                                                                     contexts(n, args.context, args.mixed)).items()},
                                                      "LM head alone": round(head_ms(models[v], n), 1)}
                                       for v in variants for n in counts}
     if args.agreement:

@@ -178,6 +178,10 @@ class GenerateOptions:
     max_queue_wait_ms: float = _spec(
         5000.0, "Most milliseconds a request waits to join; then it gets UNAVAILABLE (the KV cache stayed full).",
         low=0.0, high=3_600_000.0)
+    cancel_check_interval_ms: float = _spec(
+        100.0, "Each waiting or running request is asked at most this often whether its client cancelled it (in "
+        "Triton every ask is a round trip to the server, run beside the steps); a cancelled request leaves, and "
+        "frees its KV blocks, within about this plus one step. 0: ask every step.", low=0.0, high=60_000.0)
     default_max_tokens: int = _spec(16, "Tokens generated when a request sets no max_tokens (vLLM's default).",
                                     low=1, high=1 << 20)
     max_tokens_limit: int = _spec(1024, "Largest max_tokens a request may ask; a larger one gets INVALID_ARG.",

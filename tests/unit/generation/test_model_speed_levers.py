@@ -1,4 +1,4 @@
-"""The causal LM's speed levers: packed int8/fp16 ``Linear`` weights, the head-major KV cache, unpadded decode steps."""
+"""The causal LM's speed levers: packed ``Linear`` weights, the head-major KV cache, decode groups, unpadded steps."""
 
 from __future__ import annotations
 
@@ -99,3 +99,44 @@ def test_cache_is_head_major_and_decoding_with_or_without_padding_gives_the_same
     padded = StepInput(ids=[8, 8], positions=[len(ids), len(ids) + 1], slots=[len(ids), 11],
                        decode_slots=[own, longer], prefills=[], logits_rows=[0])
     torch.testing.assert_close(lm.forward(padded, cache), want)
+
+
+def test_decode_groups_is_the_cheapest_split_into_ranges():
+    import itertools
+
+    from coalesce.generation.model import decode_groups
+
+    def cost(ranges, widths, overhead):
+        return sum((end - start) * max(widths[start:end]) + overhead for start, end in ranges)
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        widths = sorted(rng.integers(1, 400, rng.integers(1, 8)).tolist(), reverse=True)
+        overhead = float(rng.choice([0, 64, 512, 4096]))
+        got = decode_groups(widths, overhead)
+        assert got[0][0] == 0 and got[-1][1] == len(widths)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
+        # Every split is a choice of cut points between rows: the brute force over all of them.
+        best = min(cost(list(zip((0, *c), (*c, len(widths)), strict=True)), widths, overhead)
+                   for k in range(len(widths)) for c in itertools.combinations(range(1, len(widths)), k))
+        assert cost(got, widths, overhead) == best
+    assert decode_groups([300, 290, 20, 18], 512) == [(0, 2), (2, 4)]
+    assert decode_groups([300, 290, 280], 512) == [(0, 3)]
+    assert decode_groups([300, 20], float("inf")) == [(0, 2)]
+
+
+def test_grouped_decoding_gives_the_logits_of_one_padded_group(llama_dir):
+    from coalesce.generation.model import CausalLM, StepInput
+
+    lm = CausalLM(llama_dir / "hf", device=torch.device("cpu"), dtype=torch.float32)
+    ids = list(range(5, 45))
+    _, cache = _prefill(lm, ids)
+    # Three sequences over the same prompt slots, decoding at very different lengths.
+    lengths = [40, 38, 3]
+    step = StepInput(ids=[8, 9, 10], positions=lengths, slots=[50, 51, 52],
+                     decode_slots=[np.array([*range(n), 50 + i]) for i, n in enumerate(lengths)], prefills=[],
+                     logits_rows=[0, 1, 2])
+    lm.group_overhead_pairs = 0  # no overhead: every sequence its own group
+    grouped = lm.forward(step, cache)
+    lm.group_overhead_pairs = float("inf")
+    torch.testing.assert_close(grouped, lm.forward(step, cache))

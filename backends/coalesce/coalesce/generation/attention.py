@@ -36,17 +36,32 @@ class PrefillPart:
 
 
 @dataclasses.dataclass
+class DecodeGroup:
+    """Decoding queries ``start:end`` (of the step's first ``decode_count``), padded alike.
+
+    ``slots`` (``[queries, width]``) are each query's cache slots, padded on the right;
+    ``mask`` says which are real (None: none is padded).
+    """
+
+    start: int
+    end: int
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclasses.dataclass
 class StepLayout:
     """Where one step's packed tokens go in the cache and what each attends to.
 
-    The first ``decode_count`` packed tokens are decoding sequences' (one each), the rest
-    prompt chunks. ``cache`` is None for the load-time probe, which only records shapes.
+    The first ``decode_count`` packed tokens are decoding sequences' (one each), split into
+    ``decode_groups`` of alike context length so that a short context is not padded to the
+    longest; the rest are prompt chunks. ``cache`` is None for the load-time probe, which
+    only records shapes.
     """
 
     slots: torch.Tensor
     decode_count: int
-    decode_slots: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillPart]
     cache: Any = None
     probe: dict[int, tuple[int, int, int, torch.dtype]] | None = None
@@ -74,13 +89,13 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     key_cache, value_cache = step.cache.layer(int(layer))  # type: ignore[arg-type]
     key_cache.index_copy_(1, step.slots, key[0].to(key_cache.dtype))
     value_cache.index_copy_(1, step.slots, value[0].to(value_cache.dtype))
-    count = step.decode_count
-    if count and not step.prefills:
-        # A step of decoding sequences only (the steady state): their output is the whole output, no copy.
-        return _decode(query, key_cache, value_cache, step, scaling).permute(2, 0, 1, 3), None
+    if len(step.decode_groups) == 1 and not step.prefills:
+        # One group of decoding sequences only (the steady state): its output is the whole output, no copy.
+        return _decode(query, key_cache, value_cache, step.decode_groups[0], scaling).permute(2, 0, 1, 3), None
     out = torch.empty_like(query)
-    if count:
-        out[0, :, :count] = _decode(query, key_cache, value_cache, step, scaling).squeeze(2).transpose(0, 1)
+    for group in step.decode_groups:
+        out[0, :, group.start:group.end] = _decode(query, key_cache, value_cache, group,
+                                                   scaling).squeeze(2).transpose(0, 1)
     for part in step.prefills:
         q = query[:, :, part.start:part.end]
         k = key_cache.index_select(1, part.slots).unsqueeze(0).to(query.dtype)
@@ -90,14 +105,13 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return out.transpose(1, 2), None
 
 
-def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
+def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup,
             scaling: float | None) -> torch.Tensor:
-    """The decoding queries (the step's first) over their sequences' cache: ``[sequences, heads, 1, dim]``."""
-    assert step.decode_slots is not None
-    q = query[0, :, :step.decode_count].transpose(0, 1).unsqueeze(2)  # [sequences, heads, 1, dim]
-    k = _gather(key_cache, step.decode_slots).to(query.dtype)  # [sequences, kv heads, ctx, dim]
-    v = _gather(value_cache, step.decode_slots).to(query.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
+    """One group's decoding queries over their sequences' cache: ``[sequences, heads, 1, dim]``."""
+    q = query[0, :, group.start:group.end].transpose(0, 1).unsqueeze(2)  # [sequences, heads, 1, dim]
+    k = _gather(key_cache, group.slots).to(query.dtype)  # [sequences, kv heads, ctx, dim]
+    v = _gather(value_cache, group.slots).to(query.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -164,6 +164,8 @@ class GenerationEngine:
         self.steps = 0
         self._thread: threading.Thread | None = None
         self._checker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coalesce-cancel")
+        self._check: concurrent.futures.Future[list[_Sequence]] | None = None
+        self._next_check_s = 0.0
         metrics.kv_blocks_total.set(num_blocks)
         self._report_pool()
         if start:
@@ -347,17 +349,22 @@ class GenerationEngine:
     def step(self) -> bool:
         """Admit, run one forward pass, sample and answer; False if there was nothing to run.
 
-        Whether each request was cancelled is asked while the forward pass runs (in
-        Triton each ask is a round trip to the server), and cancelled ones leave at the
-        end of the step.
+        Whether each request was cancelled is asked from another thread, at most every
+        ``cancel_check_interval_ms`` (in Triton each ask is a round trip to the server);
+        the step never waits for the answers: cancelled requests leave at the end of the
+        step in which they arrive.
         """
         now = time.perf_counter()
         with self._lock:
             for sequence in self._inbox:
                 bisect.insort(self._waiting, sequence, key=lambda s: s.order)
             self._inbox.clear()
-        watched = [s for s in (*self._running, *self._waiting) if s.is_cancelled is not None]
-        check = self._checker.submit(_cancelled, watched) if watched else None
+        self._collect_cancelled()
+        if self._check is None and now >= self._next_check_s:
+            watched = [s for s in (*self._running, *self._waiting) if s.is_cancelled is not None]
+            if watched:
+                self._check = self._checker.submit(_cancelled, watched)
+                self._next_check_s = now + self.options.cancel_check_interval_ms / 1000
         self._admit(now)
         ran = bool(self._running)
         if ran:
@@ -367,18 +374,21 @@ class GenerationEngine:
                 logits = self.model.forward(step, self.cache)
             self.steps += 1
             self._advance(members, logits)
-        if check is not None:
-            self._drop(check.result())
+        self._collect_cancelled()
         self.metrics.waiting_sequences.set(len(self._waiting))
         self.metrics.active_sequences.set(len(self._running))
         self._report_pool()
         return ran
 
-    def _drop(self, cancelled: list[_Sequence]) -> None:
-        for sequence in cancelled:
+    def _collect_cancelled(self) -> None:
+        """End the requests the last finished check found cancelled (an unfinished check is left running)."""
+        if self._check is None or not self._check.done():
+            return
+        check, self._check = self._check, None
+        for sequence in check.result():
             running = sequence in self._running
             if not running and sequence not in self._waiting:
-                continue  # it ended this step
+                continue  # it ended meanwhile
             self.logger.info(f"cancelling request {sequence.id} ({len(sequence.generated)} tokens generated)")
             if not running:
                 self._waiting.remove(sequence)
@@ -419,14 +429,16 @@ class GenerationEngine:
                 running=False)
 
     def _plan(self) -> tuple[StepInput, list[tuple[_Sequence, int, bool]]]:
-        """Pack the step: decoding sequences first (one token each), then prompt chunks within the prefill budget."""
+        """Pack the step: decoding sequences first (one token each), then prompt chunks within the prefill budget.
+
+        Decoding sequences go longest context first, so that the model's attention can
+        group alike lengths (``coalesce.generation.model.decode_groups``).
+        """
         step = StepInput(ids=[], positions=[], slots=[], decode_slots=[], prefills=[], logits_rows=[])
         members: list[tuple[_Sequence, int, bool]] = []  # (sequence, tokens computed this step, wants logits)
-        prefilling = []
-        for sequence in self._running:
-            if sequence.computed < len(sequence.prompt):
-                prefilling.append(sequence)
-                continue
+        prefilling = [s for s in self._running if s.computed < len(s.prompt)]
+        decoding = [s for s in self._running if s.computed >= len(s.prompt)]
+        for sequence in sorted(decoding, key=lambda s: s.computed, reverse=True):
             position = sequence.computed
             step.logits_rows.append(len(step.ids))
             step.ids.append(sequence.token(position))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from coalesce.core.errors import ConfigError
-from coalesce.generation.attention import ATTENTION_NAME, STEP_KWARG, PrefillPart, StepLayout, register
+from coalesce.generation.attention import ATTENTION_NAME, STEP_KWARG, DecodeGroup, PrefillPart, StepLayout, register
 
 #: How a CPU model's ``Linear`` weights may be stored (``CausalLM(weights=...)``): ``fp32`` as loaded, ``int8``
 #: per output channel with activations quantised per call, ``fp16`` converted back to float32 per call.
@@ -121,8 +121,45 @@ class StepInput:
     logits_rows: list[int]
 
 
+#: What one more group of decoding sequences costs in a step's attention, in (query, cached key) pairs: the
+#: gathers and attention call each group adds per layer, weighed against the padding it saves.
+GROUP_OVERHEAD_PAIRS: Final = 512
+
+
+def decode_groups(widths: list[int], overhead: float = GROUP_OVERHEAD_PAIRS) -> list[tuple[int, int]]:
+    """Split decoding rows (in order) into ranges ``[start, end)`` padded to their widest, at least total cost.
+
+    A range costs ``rows x widest`` (the padded pairs it gathers and attends over) plus
+    ``overhead``; one exact pass over the prefixes (O(n^2), n the decoding sequences)
+    finds the cheapest split. Rows in order of width (as the engine packs them) give the
+    best splits; any order is correct.
+    """
+    count = len(widths)
+    best = [0.0] + [float("inf")] * count  # best[i]: cheapest split of the first i rows
+    cut = [0] * (count + 1)
+    for end in range(1, count + 1):
+        widest = 0
+        for start in range(end - 1, -1, -1):
+            widest = max(widest, widths[start])
+            cost = best[start] + (end - start) * widest + overhead
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    ranges = []
+    end = count
+    while end > 0:
+        ranges.append((cut[end], end))
+        end = cut[end]
+    return ranges[::-1]
+
+
 class CausalLM:
-    """A causal LM loaded for packed, paged steps."""
+    """A causal LM loaded for packed, paged steps.
+
+    ``group_overhead_pairs`` weighs splitting a step's decoding sequences into groups of
+    alike context length (``decode_groups``); infinite pads them all to the longest.
+    """
+
+    group_overhead_pairs: float = GROUP_OVERHEAD_PAIRS
 
     def __init__(self, model_dir: Path, *, device: torch.device, dtype: torch.dtype, name: str = "model",
                  weights: str = "fp32") -> None:
@@ -173,8 +210,8 @@ class CausalLM:
 
     def _probe(self, name: str) -> dict[int, LayerShape]:
         probe: dict[int, tuple[int, int, int, torch.dtype]] = {}
-        layout = StepLayout(slots=torch.zeros(2, dtype=torch.long), decode_count=0, decode_slots=None,
-                            decode_mask=None, prefills=[], probe=probe)
+        layout = StepLayout(slots=torch.zeros(2, dtype=torch.long), decode_count=0, decode_groups=[], prefills=[],
+                            probe=probe)
         try:
             with torch.inference_mode():
                 self.model(input_ids=torch.tensor([[1, 2]], device=self.device),
@@ -195,17 +232,18 @@ class CausalLM:
             return torch.as_tensor(values, dtype=torch.long).to(device)
 
         decode_count = len(step.decode_slots)
-        decode_slots: torch.Tensor | None = None
-        decode_mask: torch.Tensor | None = None
-        if decode_count:
-            width = max(len(s) for s in step.decode_slots)
-            padded = np.zeros((decode_count, width), dtype=np.int64)
-            for row, slots in enumerate(step.decode_slots):
+        groups = []
+        widths = [len(s) for s in step.decode_slots]
+        for start, end in decode_groups(widths, self.group_overhead_pairs) if decode_count else ():
+            width = max(widths[start:end])
+            padded = np.zeros((end - start, width), dtype=np.int64)
+            for row, slots in enumerate(step.decode_slots[start:end]):
                 padded[row, :len(slots)] = slots
-            decode_slots = longs(padded)
-            if any(len(s) < width for s in step.decode_slots):  # no mask where none is padded: a cheaper kernel
-                lengths = longs([len(s) for s in step.decode_slots])
-                decode_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+            mask = None
+            if any(w < width for w in widths[start:end]):  # no mask where none is padded: a cheaper kernel
+                lengths = longs(widths[start:end])
+                mask = (torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(start, end, longs(padded), mask))
         prefills = []
         for start, end, slots, before in step.prefills:
             mask = None
@@ -213,8 +251,8 @@ class CausalLM:
                 queries = torch.arange(before, before + end - start, device=device)[:, None]
                 mask = torch.arange(len(slots), device=device)[None, :] <= queries
             prefills.append(PrefillPart(start, end, longs(slots), mask))
-        layout = StepLayout(slots=longs(step.slots), decode_count=decode_count, decode_slots=decode_slots,
-                            decode_mask=decode_mask, prefills=prefills, cache=cache)
+        layout = StepLayout(slots=longs(step.slots), decode_count=decode_count, decode_groups=groups,
+                            prefills=prefills, cache=cache)
         with torch.inference_mode():
             out = self.model(input_ids=longs([step.ids]), position_ids=longs([step.positions]),
                              use_cache=False, logits_to_keep=longs(step.logits_rows), **{STEP_KWARG: layout})
