@@ -114,9 +114,13 @@ def system_config(shipped: str, system: str, *, static_delay_us: int = 1000) -> 
     return with_parameters(config, {"generation_batching": "request", "max_active_sequences": "1"})
 
 
-def build_repository(dest: Path, *, static_delay_us: int = 1000) -> Path:
-    """A repository with the three Triton systems, each linking the shipped ``smollm2/1/hf`` (never copied)."""
-    shipped = (SMOLLM2 / "config.pbtxt").read_text()
+def build_repository(dest: Path, *, static_delay_us: int = 1000,
+                     overrides: Mapping[str, str] | None = None) -> Path:
+    """A repository with the three Triton systems, each linking the shipped ``smollm2/1/hf`` (never copied).
+
+    ``overrides`` (``--set``) change parameters of all three from what ``smollm2`` ships.
+    """
+    shipped = with_parameters((SMOLLM2 / "config.pbtxt").read_text(), dict(overrides or {}))
     weights = (SMOLLM2 / "1" / "hf").resolve()
     for system in TRITON_SYSTEMS:
         model = dest / MODELS[system]
@@ -1095,6 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="every system measured once per round, rotated order")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {', '.join(SYSTEMS)}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a parameter of all three Triton systems, changed from smollm2's shipped config "
+                             "(repeatable), e.g. borrowed_thread_priority=idle")
     parser.add_argument("--modes", default="closed,fixed", help="any of closed, fixed, open")
     parser.add_argument("--concurrency", type=int, default=16, help="closed loop: concurrent streams")
     parser.add_argument("--closed-requests", type=int, default=40, help="closed loop: requests per measurement")
@@ -1120,6 +1127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default=None, help="report name (default generate-<YYYYMMDD>, -quick with --quick)")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = parser.parse_args(argv)
+    overrides = dict(item.split("=", 1) for item in args.set if "=" in item)
+    if len(overrides) != len(args.set):
+        parser.error(f"--set takes KEY=VALUE, got {args.set}")
     if args.quick:
         args.rounds, args.closed_requests, args.single_requests, args.open_requests = 1, 16, 4, 8
         args.fixed = "16:16,1:2"
@@ -1197,7 +1207,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 from coalesce_tools.launcher import ServerOptions, TritonServer
 
-                repo = build_repository(workdir / "repo", static_delay_us=args.static_delay_us)
+                repo = build_repository(workdir / "repo", static_delay_us=args.static_delay_us, overrides=overrides)
                 server = stack.enter_context(TritonServer(ServerOptions.on_free_ports(repo, model_control="explicit")))
                 admin = httpclient.InferenceServerClient(server.http_url)
                 stack.callback(admin.close)
@@ -1236,7 +1246,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = [] if args.no_step_costs or not any(s in TRITON_SYSTEMS for s in measured) else step_costs()
 
     ratios = ratio_rows(points)
-    shipped = (SMOLLM2 / "config.pbtxt").read_text()
+    shipped = with_parameters((SMOLLM2 / "config.pbtxt").read_text(), overrides)
     prompt_lengths = sorted(t.prompt_tokens for t in base)
     run: dict[str, Any] = {
         "run": args.run, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -1252,10 +1262,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"per precision {shipped_parameter(shipped, 'precision') or 'fp32'}, max_active_sequences "
                         f"{shipped_parameter(shipped, 'max_active_sequences')}, intra_op_threads "
                         f"{shipped_parameter(shipped, 'intra_op_threads')} and every core while no other model "
-                        "computes (share_idle_cores)); static = max_batch_size {STATIC_BATCH} + "
+                        "computes (share_idle_cores), the borrowed threads at "
+                        f"{shipped_parameter(shipped, 'borrowed_thread_priority') or 'idle'} priority); static = "
+                        f"max_batch_size {STATIC_BATCH} + "
                         f"dynamic_batching (max_queue_delay {args.static_delay_us} us), generation_batching request, "
                         f"max_active_sequences {STATIC_BATCH}; single = generation_batching request, "
-                        "max_active_sequences 1; all else as shipped",
+                        "max_active_sequences 1; all else as shipped"
+                        + (f"; changed from shipped for all three: {', '.join(args.set)}" if overrides else ""),
         "llama_note": "not measured" if gguf is None else (
                        f"llama.cpp {llama_version} (vendored by llama-cpp-python 0.3.36, built by "
                        f"scripts/setup_peers.sh: Release, native CPU flags, CPU only) on "
