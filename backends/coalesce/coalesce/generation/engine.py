@@ -351,8 +351,8 @@ class GenerationEngine:
 
         Whether each request was cancelled is asked from another thread, at most every
         ``cancel_check_interval_ms`` (in Triton each ask is a round trip to the server);
-        the step never waits for the answers: cancelled requests leave at the end of the
-        step in which they arrive.
+        the step never waits for the answers: a request found cancelled leaves at the end
+        of the step during which the answer came, or at the start of the next.
         """
         now = time.perf_counter()
         with self._lock:

@@ -127,7 +127,7 @@ GROUP_OVERHEAD_PAIRS: Final = 512
 
 
 def decode_groups(widths: list[int], overhead: float = GROUP_OVERHEAD_PAIRS) -> list[tuple[int, int]]:
-    """Split decoding rows (in order) into ranges ``[start, end)`` padded to their widest, at least total cost.
+    """Split decoding rows (in order) into ranges ``[start, end)``, each padded to its widest, at the least cost.
 
     A range costs ``rows x widest`` (the padded pairs it gathers and attends over) plus
     ``overhead``; one exact pass over the prefixes (O(n^2), n the decoding sequences)
